@@ -1,0 +1,16 @@
+# The two commands of the README: `make run` and `make test`. Both install into .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+.PHONY: install test
+install: $(VENV)/.installed
+
+# pytest's "no tests collected" exit code (5) is a failure, as every other non-zero code.
+test: install
+	$(PY) -m pytest -q

@@ -1,0 +1,129 @@
+"""Page-chained block hashes, byte-compatible with SGLang 0.5.23's KV events.
+
+For page ``i`` of a token sequence (``page_size`` tokens, full pages only)::
+
+    digest_i = SHA-256(digest_{i-1} || tokens of page i as uint32 little-endian)
+
+with no prefix for the first page. The hash an event carries is the first 8 bytes of
+``digest_i`` read big-endian as a signed int64 (SGLang ``mem_cache/utils.py``:
+``get_hash_str`` and ``hash_str_to_int64``).
+
+A branch's next request usually extends the previous context, so :class:`PathHasher` keeps
+the previous tokens and digests and hashes only the pages after the common prefix: the cost
+is one ``memcmp``-speed comparison plus O(new pages) SHA-256 calls, not O(context) hashing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+from evinfra.core.types import BlockHash
+
+__all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "digest_to_hash"]
+
+_U32_LE = np.dtype("<u4")
+
+
+def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous little-endian uint32 array (the hashing byte layout)."""
+    arr = np.asarray(tokens)
+    if arr.dtype != _U32_LE:
+        if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+            raise ValueError("token ids must fit in uint32")
+        arr = arr.astype(_U32_LE)
+    return np.ascontiguousarray(arr)
+
+
+def digest_to_hash(digest: bytes) -> BlockHash:
+    """The event hash of a page digest: first 8 bytes, big-endian, signed."""
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _chain(buf: bytes, page_bytes: int, first: int, last: int, prior: bytes | None) -> list[bytes]:
+    digests = []
+    sha = hashlib.sha256
+    for i in range(first, last):
+        h = sha(prior) if prior is not None else sha()
+        h.update(buf[i * page_bytes : (i + 1) * page_bytes])
+        prior = h.digest()
+        digests.append(prior)
+    return digests
+
+
+def block_hashes(
+    tokens: Sequence[int] | np.ndarray, page_size: int, prior_digest: bytes | None = None
+) -> list[BlockHash]:
+    """Event hashes of the full pages of ``tokens``, chained after ``prior_digest``."""
+    arr = as_tokens(tokens)
+    n = arr.size // page_size
+    digests = _chain(arr.tobytes(), page_size * 4, 0, n, prior_digest)
+    return [digest_to_hash(d) for d in digests]
+
+
+class HashedPath:
+    """The full-page path of one token sequence: its tokens, SHA-256 digests and event hashes.
+
+    Immutable once built; a branch keeps the last one to hash its next request incrementally.
+    """
+
+    __slots__ = ("tokens", "digests", "hashes", "page_size", "shared")
+
+    def __init__(
+        self, tokens: np.ndarray, digests: list[bytes], hashes: list[BlockHash], page_size: int,
+        shared: int = 0,
+    ) -> None:
+        self.tokens = tokens
+        self.digests = digests
+        self.hashes = hashes
+        self.page_size = page_size
+        # Leading pages taken over from the base path this one was hashed against.
+        self.shared = shared
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.size)
+
+
+class PathHasher:
+    """Hashes request inputs into block paths, reusing a base path's digests where it can."""
+
+    def __init__(self, page_size: int) -> None:
+        if page_size <= 0:
+            raise ValueError("page_size must be positive")
+        self.page_size = page_size
+
+    def common_pages(self, tokens: np.ndarray, base: HashedPath) -> int:
+        """Number of leading full pages ``tokens`` shares with ``base`` (vectorised compare)."""
+        p = self.page_size
+        k = min(tokens.size // p, len(base)) * p
+        if k == 0:
+            return 0
+        a, b = tokens[:k], base.tokens[:k]
+        if np.array_equal(a, b):
+            return k // p
+        first = int(np.flatnonzero(a != b)[0])
+        return first // p
+
+    def hash(self, tokens: Sequence[int] | np.ndarray, base: HashedPath | None = None) -> HashedPath:
+        """The path of ``tokens``; pages shared with ``base`` reuse its digests."""
+        arr = as_tokens(tokens)
+        n = arr.size // self.page_size
+        keep = self.common_pages(arr, base) if base is not None else 0
+        if base is not None and keep == n and keep == len(base):
+            return HashedPath(arr, base.digests, base.hashes, self.page_size, keep)
+        digests = base.digests[:keep] if base is not None else []
+        hashes = base.hashes[:keep] if base is not None else []
+        prior = digests[-1] if digests else None
+        page_bytes = self.page_size * 4
+        # Only the new pages are converted to bytes and hashed.
+        tail = arr[keep * self.page_size : n * self.page_size].tobytes()
+        new = _chain(tail, page_bytes, 0, n - keep, prior)
+        digests = digests + new
+        hashes = hashes + [digest_to_hash(d) for d in new]
+        return HashedPath(arr, digests, hashes, self.page_size, keep)

@@ -1,0 +1,311 @@
+"""Agent branches and their block counts: Algorithms E.1 and E.2 of the paper.
+
+For each branch ``β`` the table keeps its version ``v_β``, the path ``π_β`` of its last
+request, and on each node ``n`` the blocks it counts there, ``C[β, n]``. For each node and
+block, ``R[b, n]`` is the number of active branches whose ``C[β, n]`` contains ``b``.
+
+Representation (why it is cheap): within one version a branch's paths only grow, and a
+rewrite trims every ``C[β, m]`` to the prefix it shares with the new path (E.2 line 7). So
+``C[β, n]`` is always ``π_β[:k] − holes``: a prefix length ``k`` per node plus the few blocks
+of that prefix the node evicted (E.2 line 20). An appended request then costs O(new blocks),
+a release O(k), and nothing ever walks the whole context to diff two sets.
+
+Eviction hints: every time ``R[b, n]`` crosses zero the table records it, so a driver can
+push to node ``n`` just the blocks whose count became positive or zero since the last push.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import msgspec
+import numpy as np
+
+from evinfra.core.hashing import HashedPath, PathHasher
+from evinfra.core.types import BlockHash, BranchId, Phase
+from evinfra.errors import UnknownBranchError
+
+__all__ = ["BranchStep", "BranchTable", "HintDelta"]
+
+
+class BranchStep(msgspec.Struct, frozen=True):
+    """Output of Algorithm E.1 for one request."""
+
+    branch: BranchId
+    version: int
+    rewritten: bool
+    path: HashedPath
+    old_len: int
+    """``len(π_old)`` in blocks."""
+
+
+class HintDelta(msgspec.Struct, frozen=True):
+    """Blocks whose count on a node became positive / zero since the last delta."""
+
+    positive: list[BlockHash]
+    zero: list[BlockHash]
+
+
+class _Branch:
+    __slots__ = ("id", "version", "path", "k", "holes")
+
+    def __init__(self, branch: BranchId) -> None:
+        self.id = branch
+        self.version = 1
+        self.path: HashedPath | None = None
+        # C[β, n] = path.hashes[:k[n]] minus holes[n] (block -> its index in the path).
+        self.k: dict[int, int] = {}
+        self.holes: dict[int, dict[BlockHash, int]] = {}
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        return self.path.hashes if self.path is not None else []
+
+
+class BranchTable:
+    """The branch table ``S`` and the counts ``R`` (Algorithms E.1, E.2)."""
+
+    def __init__(self, page_size: int, phases: Sequence[Phase] = ()) -> None:
+        self.hasher = PathHasher(page_size)
+        self._branches: dict[BranchId, _Branch] = {}
+        self._R: list[dict[BlockHash, int]] = []
+        self._on: list[set[BranchId]] = []
+        self._phase: list[Phase] = []
+        self._became_pos: list[set[BlockHash]] = []
+        self._became_zero: list[set[BlockHash]] = []
+        for p in phases:
+            self.add_node(p)
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    def add_node(self, phase: Phase) -> int:
+        self._R.append({})
+        self._on.append(set())
+        self._phase.append(phase)
+        self._became_pos.append(set())
+        self._became_zero.append(set())
+        return len(self._R) - 1
+
+    def phase(self, node: int) -> Phase:
+        return self._phase[node]
+
+    # -- queries -------------------------------------------------------------------------
+
+    def __contains__(self, branch: BranchId) -> bool:
+        return branch in self._branches
+
+    def __len__(self) -> int:
+        return len(self._branches)
+
+    def branches(self) -> list[BranchId]:
+        return list(self._branches)
+
+    def version(self, branch: BranchId) -> int:
+        return self._get(branch).version
+
+    def path(self, branch: BranchId) -> HashedPath | None:
+        return self._get(branch).path
+
+    def nodes_of(self, branch: BranchId) -> list[int]:
+        """``N_β``: the nodes where the branch holds counts."""
+        return sorted(self._get(branch).k)
+
+    def branches_on(self, node: int) -> set[BranchId]:
+        return self._on[node]
+
+    def counted(self, branch: BranchId, node: int) -> set[BlockHash]:
+        """``C[β, n]`` as a set (tests and status; O(k))."""
+        b = self._get(branch)
+        k = b.k.get(node, 0)
+        return set(b.hashes[:k]) - set(b.holes.get(node, ()))
+
+    def count(self, block: BlockHash, node: int) -> int:
+        """``R[b, n]``."""
+        return self._R[node].get(block, 0)
+
+    def counts(self, node: int) -> dict[BlockHash, int]:
+        """The positive counts of a node (read-only view)."""
+        return self._R[node]
+
+    # -- Algorithm E.1 (and E.2 lines 5-8) ----------------------------------------------
+
+    def step(self, branch: BranchId, tokens: np.ndarray | Sequence[int],
+             parent: BranchId | None = None) -> BranchStep:
+        """Register a request of ``branch`` and return ``(v_β, π_old, π_new)``.
+
+        A new branch (forked or a sub-agent when ``parent`` is known) starts at version 1
+        with an empty previous path; its tokens are hashed against the parent's last path so
+        a fork pays only for its new pages. A rewritten context bumps the version and trims
+        the branch's counts on every node to the prefix the new path keeps (E.2 line 7).
+        """
+        b = self._branches.get(branch)
+        if b is None:
+            b = self._branches[branch] = _Branch(branch)
+            base_branch = self._branches.get(parent) if parent is not None else None
+            base = base_branch.path if base_branch is not None else None
+            path = self.hasher.hash(tokens, base)
+            b.path = path
+            return BranchStep(branch, b.version, False, path, 0)
+        old = b.path
+        path = self.hasher.hash(tokens, old)
+        old_len = len(old) if old is not None else 0
+        rewritten = path.shared < old_len
+        if rewritten:
+            b.version += 1
+            keep = path.shared
+            for n in list(b.k):
+                self._trim(b, n, keep)
+        b.path = path
+        return BranchStep(branch, b.version, rewritten, path, old_len)
+
+    # -- Algorithm E.2 --------------------------------------------------------------------
+
+    def place(self, branch: BranchId, node: int) -> None:
+        """E.2 lines 9-10: ``Count(β, n, π_β)``: new blocks +1, reused blocks keep counts.
+
+        ``C[β, n]`` is a prefix of ``π_β`` (minus holes), so ``π_β \\ C`` is the tail past
+        ``k`` plus the holes; ``C \\ π_β`` is empty."""
+        b = self._get(branch)
+        hashes = b.hashes
+        if not hashes:
+            return
+        k = b.k.get(node, 0)
+        holes = b.holes.pop(node, None)
+        R = self._R[node]
+        for h in hashes[k:]:
+            self._inc(R, node, h)
+        if holes:
+            for h in holes:
+                self._inc(R, node, h)
+        b.k[node] = len(hashes)
+        self._on[node].add(branch)
+
+    def settle(self, branch: BranchId, node: int) -> list[int]:
+        """E.2 line 11: ``node`` now holds the branch's current version, so the branch's
+        counts on other nodes of the same phase are released (a P2P or D2D move). Nodes of
+        the other phase keep theirs (line 12). Returns the released nodes."""
+        b = self._get(branch)
+        if node not in b.k:
+            return []
+        phase = self._phase[node]
+        released = [m for m in b.k if m != node and self._phase[m] is phase]
+        for m in released:
+            self._release(b, m)
+        return released
+
+    def end(self, branch: BranchId) -> None:
+        """E.2 line 13: release every count of the branch and forget it."""
+        b = self._branches.pop(branch, None)
+        if b is None:
+            raise UnknownBranchError(branch)
+        for n in list(b.k):
+            self._release(b, n)
+
+    def switch_phase(self, node: int, phase: Phase) -> None:
+        """E.2 lines 14-15: D->P resets the node's counts to free its memory; a switch to
+        decode (or out of the collocated warm-up) keeps them to preserve its KV."""
+        old = self._phase[node]
+        self._phase[node] = phase
+        if old is Phase.DECODE and phase is Phase.PREFILL:
+            self.release_node(node)
+
+    def release_node(self, node: int) -> None:
+        """``Release(β, n)`` for every branch on ``node`` (a D->P switch, a lost node)."""
+        for branch in list(self._on[node]):
+            self._release(self._branches[branch], node)
+
+    def evicted(self, node: int, blocks: Iterable[BlockHash]) -> None:
+        """E.2 line 20: the node lost these blocks; zero their counts and remove them from
+        every ``C[β, n]``. Only positive-count blocks cost anything beyond a dict lookup."""
+        R = self._R[node]
+        emptied: list[_Branch] = []
+        for h in blocks:
+            r = R.get(h)
+            if not r:
+                continue
+            for branch in self._on[node]:
+                b = self._branches[branch]
+                k = b.k[node]
+                hashes = b.hashes
+                try:
+                    i = hashes.index(h, 0, k)
+                except ValueError:
+                    continue
+                holes = b.holes.setdefault(node, {})
+                if h in holes:
+                    continue
+                holes[h] = i
+                if len(holes) == k:  # C[β, n] is empty: n leaves N_β
+                    emptied.append(b)
+                r -= 1
+                if r == 0:
+                    break
+            self._set_zero(R, node, h)
+        for b in emptied:
+            del b.k[node], b.holes[node]
+            self._on[node].discard(b.id)
+
+    # -- hints ------------------------------------------------------------------------------
+
+    def take_hints(self, node: int) -> HintDelta:
+        """Blocks whose count on ``node`` crossed zero since the last call."""
+        pos, zero = self._became_pos[node], self._became_zero[node]
+        self._became_pos[node], self._became_zero[node] = set(), set()
+        return HintDelta(sorted(pos), sorted(zero))
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _get(self, branch: BranchId) -> _Branch:
+        b = self._branches.get(branch)
+        if b is None:
+            raise UnknownBranchError(branch)
+        return b
+
+    def _inc(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
+        r = R.get(h, 0)
+        R[h] = r + 1
+        if r == 0:
+            if h in self._became_zero[node]:
+                self._became_zero[node].discard(h)
+            else:
+                self._became_pos[node].add(h)
+
+    def _dec(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
+        r = R[h]
+        if r == 1:
+            self._set_zero(R, node, h)
+        else:
+            R[h] = r - 1
+
+    def _set_zero(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
+        del R[h]
+        if h in self._became_pos[node]:
+            self._became_pos[node].discard(h)
+        else:
+            self._became_zero[node].add(h)
+
+    def _trim(self, b: _Branch, node: int, keep: int) -> None:
+        """``Count(β, n, C[β, n] ∩ π_new)`` where ``π_new`` shares ``keep`` leading blocks."""
+        k = b.k[node]
+        if k <= keep:
+            return
+        holes = b.holes.get(node)
+        R = self._R[node]
+        for h in b.hashes[keep:k]:
+            if holes and h in holes:
+                continue
+            self._dec(R, node, h)
+        if holes:
+            for h in [h for h, i in holes.items() if i >= keep]:
+                del holes[h]
+            if not holes:
+                del b.holes[node]
+        if keep:
+            b.k[node] = keep
+        else:
+            del b.k[node]
+            self._on[node].discard(b.id)
+
+    def _release(self, b: _Branch, node: int) -> None:
+        if node in b.k:
+            self._trim(b, node, 0)

@@ -1,0 +1,162 @@
+"""The cluster KV directory: the prefix tree plus the agent-branch counts (paper 4.3).
+
+:class:`Directory` is the single entry point the router, the service and the tests use. It
+keeps the tree (where each block is) and the branch table (who still needs it) consistent:
+a block a node loses in every tier is removed from the counts there (E.2 line 20), a node's
+phase switch follows E.2 lines 14-15, and a lost node releases everything it held.
+
+Pure and synchronous; time is passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from evinfra.core.events import KVEvent, KVEventBatch
+from evinfra.core.types import BlockHash, BranchId, NodeId, Phase
+from evinfra.directory.branches import BranchStep, BranchTable, HintDelta
+from evinfra.directory.eviction import eviction_order
+from evinfra.directory.tree import PrefixMatch, PrefixTree
+from evinfra.errors import ConfigError
+
+__all__ = ["Directory"]
+
+
+class Directory:
+    """Where every KV block is, per node and tier, and how many active branches need it."""
+
+    def __init__(self, nodes: Mapping[NodeId, Phase] | Iterable[tuple[NodeId, Phase]],
+                 page_size: int) -> None:
+        if page_size <= 0:
+            raise ConfigError("page_size must be positive", key="page_size")
+        items = list(nodes.items()) if isinstance(nodes, Mapping) else list(nodes)
+        self.page_size = page_size
+        self.tree = PrefixTree([n for n, _ in items], page_size)
+        self.branches = BranchTable(page_size, [p for _, p in items])
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[NodeId]:
+        return self.tree.nodes
+
+    def index(self, node: NodeId) -> int:
+        idx = self.tree.node_index(node)
+        if idx is None:
+            raise KeyError(node)
+        return idx
+
+    def add_node(self, node: NodeId, phase: Phase) -> int:
+        if self.tree.node_index(node) is not None:
+            return self.index(node)
+        idx = self.tree.add_node(node)
+        assert self.branches.add_node(phase) == idx
+        return idx
+
+    def phase(self, node: NodeId) -> Phase:
+        return self.branches.phase(self.index(node))
+
+    def switch_phase(self, node: NodeId, phase: Phase) -> None:
+        """E.2 lines 14-15. The node's KV stays in the tree, readable by every node."""
+        self.branches.switch_phase(self.index(node), phase)
+
+    def node_lost(self, node: NodeId) -> int:
+        """A node crashed or was relaunched empty: drop its blocks and its counts."""
+        idx = self.index(node)
+        lost = self.tree.clear(idx)
+        self.branches.release_node(idx)
+        return len(lost)
+
+    # -- KV events -------------------------------------------------------------------------
+
+    def apply(self, node: NodeId, event: KVEvent, now: float) -> None:
+        lost = self.tree.apply(node, event, now)
+        if lost:
+            self.branches.evicted(self.tree.node_index(node), lost)
+
+    def apply_batch(self, node: NodeId, batch: KVEventBatch, now: float | None = None) -> None:
+        t = batch.ts if now is None else now
+        for event in batch.events:
+            self.apply(node, event, t)
+
+    # -- requests and branches (Algorithms E.1, E.2) ---------------------------------------
+
+    def step(self, branch: BranchId, tokens: np.ndarray | Sequence[int],
+             parent: BranchId | None = None) -> BranchStep:
+        """Algorithm E.1 for a request of ``branch`` (plus E.2 lines 5-8 on a rewrite)."""
+        return self.branches.step(branch, tokens, parent)
+
+    def match(self, path: Sequence[BlockHash]) -> PrefixMatch:
+        return self.tree.match(path)
+
+    def place(self, branch: BranchId, node: NodeId) -> None:
+        """E.2 lines 9-10: the branch's request was routed (prefill) or bound (decode) to
+        ``node``."""
+        self.branches.place(branch, self.index(node))
+
+    def settle(self, branch: BranchId, node: NodeId) -> list[NodeId]:
+        """E.2 line 11: ``node`` holds the current version; same-phase copies are released."""
+        released = self.branches.settle(branch, self.index(node))
+        return [self.tree.node_name(m) for m in released]
+
+    def end(self, branch: BranchId) -> None:
+        """E.2 line 13 (raises :class:`~evinfra.errors.UnknownBranchError`)."""
+        self.branches.end(branch)
+
+    def take_hints(self, node: NodeId) -> HintDelta:
+        return self.branches.take_hints(self.index(node))
+
+    def positive_blocks(self, node: NodeId) -> list[BlockHash]:
+        """Every block with ``R[b, n] > 0``: the full hint, for an engine's resync."""
+        return sorted(self.branches.counts(self.index(node)))
+
+    # -- eviction (E.2 lines 16-21) --------------------------------------------------------
+
+    def evict_host(self, node: NodeId, blocks: int,
+                   pinned: Iterable[BlockHash] = ()) -> list[BlockHash]:
+        """``EvictHost(n, s)``: free ``blocks`` host blocks in ``(1[R>0], T_b)`` order and
+        apply the removals as the node's ``BlockRemoved`` events would.
+
+        Candidates are the blocks the node holds only in host memory: a block still in GPU
+        memory keeps its host copy, as in SGLang HiCache, whose ``evict_host`` only frees
+        host copies of blocks already evicted from the device."""
+        idx = self.index(node)
+        on = self.tree.blocks_on(idx)
+        host = {h: on[h] for h in self.tree.host_only_blocks(idx)}
+        victims: list[BlockHash] = []
+        for h in eviction_order(host, self.branches.counts(idx), set(pinned)):
+            if len(victims) >= blocks:
+                break
+            victims.append(h)
+        if victims:
+            lost = self.tree.remove(idx, victims, "CPU_PINNED")
+            if lost:
+                self.branches.evicted(idx, lost)
+        return victims
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, object]:
+        """Numbers for ``/v1/evinfra/status`` and metrics."""
+        per_node = {}
+        for idx, name in enumerate(self.tree.nodes):
+            on = self.tree.blocks_on(idx)
+            per_node[name] = {
+                "phase": self.branches.phase(idx).value,
+                "blocks": len(on),
+                "host_blocks": len(self.tree.host_blocks(idx)),
+                "positive_count_blocks": len(self.branches.counts(idx)),
+                "branches": len(self.branches.branches_on(idx)),
+            }
+        return {
+            "blocks": len(self.tree),
+            "entries": self.tree.entries(),
+            "active_branches": len(self.branches),
+            "nodes": per_node,
+            "events": {f: getattr(self.tree.stats, f) for f in self.tree.stats.__struct_fields__},
+        }
+
+    def check_invariants(self) -> None:
+        self.tree.check_invariants()

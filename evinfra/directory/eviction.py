@@ -1,0 +1,111 @@
+"""Host-memory eviction in the order ``(1[R_b > 0], T_b)`` (paper 5.3, Algorithm E.2 16-21).
+
+Two halves of one rule:
+
+* :func:`eviction_order` is ``EvictHost`` on the directory's view: it ranks a node's host
+  blocks with zero-count blocks first and LRU within each group, pinned blocks never.
+* :class:`HostEvictionOrder` is the same order kept incrementally inside an engine (the fake
+  engine, the SGLang patch). The engine cannot see ``R``; it learns which blocks have a
+  positive count from the control plane's hints (:class:`~evinfra.directory.branches.HintDelta`:
+  only blocks whose count crossed zero), and keeps one LRU list per group, so touching,
+  inserting, re-grouping and picking a victim are all O(1).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Callable, Container, Iterable, Iterator, Mapping
+
+from evinfra.core.types import BlockHash
+from evinfra.directory.branches import HintDelta
+
+__all__ = ["HostEvictionOrder", "eviction_order"]
+
+
+def eviction_order(host_blocks: Mapping[BlockHash, float], counts: Mapping[BlockHash, int],
+                   pinned: Container[BlockHash] = ()) -> Iterator[BlockHash]:
+    """Unpinned host blocks in ascending ``(1[R_b > 0], T_b)``; ties by hash, for determinism.
+
+    ``host_blocks`` maps each host block of the node to ``T_b``; ``counts`` is ``R[·, n]``.
+    Lazily ordered (a heap), so taking the first few victims of a large tier is cheap.
+    """
+    heap = [(1 if counts.get(h, 0) > 0 else 0, t, h) for h, t in host_blocks.items()
+            if h not in pinned]
+    heapq.heapify(heap)
+    while heap:
+        yield heapq.heappop(heap)[2]
+
+
+class HostEvictionOrder:
+    """An engine's host tier order: zero-count blocks first, LRU within each group.
+
+    With ``count_aware=False`` every block sits in one LRU list (plain HiCache LRU, for the
+    baselines). ``positive`` may name blocks the engine does not hold yet: the control plane
+    counts a branch's blocks when it places the request, before the prefill stores them.
+    """
+
+    def __init__(self, count_aware: bool = True) -> None:
+        self.count_aware = count_aware
+        self.positive: set[BlockHash] = set()
+        self._zero: OrderedDict[BlockHash, None] = OrderedDict()
+        self._pos: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._zero) + len(self._pos)
+
+    def __contains__(self, block: BlockHash) -> bool:
+        return block in self._zero or block in self._pos
+
+    def _group(self, block: BlockHash) -> OrderedDict[BlockHash, None]:
+        if self.count_aware and block in self.positive:
+            return self._pos
+        return self._zero
+
+    def touch(self, block: BlockHash) -> None:
+        """Insert ``block`` or mark it most recently used."""
+        if block in self._zero:
+            self._zero.move_to_end(block)
+        elif block in self._pos:
+            self._pos.move_to_end(block)
+        else:
+            self._group(block)[block] = None
+
+    def remove(self, block: BlockHash) -> None:
+        self._zero.pop(block, None)
+        self._pos.pop(block, None)
+
+    def apply_hints(self, delta: HintDelta) -> None:
+        """Regroup the blocks whose count crossed zero, keeping their LRU position rank.
+
+        A block that changes group joins the other group as its most recent entry: its
+        exact recency relative to that group is unknown to an O(1) structure, and the
+        order between groups, the part the paper's rule is about, is exact.
+        """
+        zero, pos = self._zero, self._pos
+        for h in delta.positive:
+            self.positive.add(h)
+            if self.count_aware and h in zero:
+                del zero[h]
+                pos[h] = None
+        for h in delta.zero:
+            self.positive.discard(h)
+            if h in pos:
+                del pos[h]
+                zero[h] = None
+
+    def reset_hints(self, positive: Iterable[BlockHash]) -> None:
+        """Replace the positive set wholesale (a resync after a lost connection)."""
+        self.positive = set(positive)
+        blocks = list(self._zero) + list(self._pos)
+        self._zero, self._pos = OrderedDict(), OrderedDict()
+        for h in blocks:
+            self._group(h)[h] = None
+
+    def victims(self, pinned: Callable[[BlockHash], bool] | None = None) -> Iterator[BlockHash]:
+        """Blocks in eviction order, skipping pinned ones. Do not mutate while iterating;
+        collect the victims first, then :meth:`remove` them."""
+        for group in (self._zero, self._pos):
+            for h in group:
+                if pinned is None or not pinned(h):
+                    yield h

@@ -1,0 +1,75 @@
+import hashlib
+
+import numpy as np
+import pytest
+
+from evinfra.core import hashing
+from evinfra.core.hashing import PathHasher, block_hashes
+
+# Captured from a real SGLang 0.5.23 server, page size 4 (issue 2).
+P1, P2 = [5, 6, 7, 8], [9, 10, 11, 12]
+H1, H2 = -873556230699706081, -8429985882354289250
+
+
+def test_vectors_from_a_real_sglang_server() -> None:
+    assert block_hashes(P1 + P2, 4) == [H1, H2]
+    assert block_hashes(P1 + P2 + [13, 14, 178, 14], 4)[2] == -3748320092956984501
+    assert block_hashes(P1 + P2 + [20, 21, 22, 350], 4)[2] == -6242108631941482323
+
+
+def test_only_full_pages_are_hashed() -> None:
+    assert block_hashes(P1 + P2 + [1, 2, 3], 4) == [H1, H2]
+    assert block_hashes([1, 2, 3], 4) == []
+
+
+def test_definition_sha256_chain_first_eight_bytes_big_endian_signed() -> None:
+    d1 = hashlib.sha256(np.array(P1, "<u4").tobytes()).digest()
+    d2 = hashlib.sha256(d1 + np.array(P2, "<u4").tobytes()).digest()
+    assert block_hashes(P1 + P2, 4) == [int.from_bytes(d[:8], "big", signed=True) for d in (d1, d2)]
+
+
+_sha256 = hashlib.sha256
+
+
+class _CountingSha:
+    calls = 0
+
+    def __init__(self, *args):
+        type(self).calls += 1
+        self._h = _sha256(*args)
+
+    def update(self, data):
+        self._h.update(data)
+
+    def digest(self):
+        return self._h.digest()
+
+
+def test_next_request_of_a_branch_hashes_only_its_new_pages(monkeypatch) -> None:
+    h = PathHasher(4)
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(0, 50_000, size=4 * 1000, dtype=np.uint32)
+    base = h.hash(ctx)
+    monkeypatch.setattr(hashing.hashlib, "sha256", _CountingSha)
+    nxt = np.concatenate([ctx, rng.integers(0, 50_000, size=4 * 3 + 2, dtype=np.uint32)])
+    path = h.hash(nxt, base)
+    assert _CountingSha.calls == 3
+    assert path.shared == 1000
+    assert path.hashes == block_hashes(nxt, 4)
+
+
+def test_rewritten_context_reuses_only_the_common_prefix() -> None:
+    h = PathHasher(4)
+    base = h.hash(P1 + P2 + [13, 14, 178, 14])
+    path = h.hash(P1 + P2 + [20, 21, 22, 350], base)
+    assert path.shared == 2
+    assert path.hashes == [H1, H2, -6242108631941482323]
+    # A change inside the first page shares nothing.
+    assert h.hash([5, 6, 7, 9] + P2, base).shared == 0
+
+
+def test_token_ids_must_fit_uint32() -> None:
+    with pytest.raises(ValueError):
+        block_hashes([-1, 2, 3, 4], 4)
+    with pytest.raises(ValueError):
+        block_hashes([2**32, 2, 3, 4], 4)

@@ -1,0 +1,34 @@
+from evinfra.directory import HintDelta, HostEvictionOrder, eviction_order
+
+
+def test_eviction_order_zero_counts_first_lru_within_groups() -> None:
+    host = {1: 5.0, 2: 1.0, 3: 3.0, 4: 2.0}
+    counts = {2: 1, 4: 2}
+    assert list(eviction_order(host, counts)) == [3, 1, 2, 4]
+    assert list(eviction_order(host, counts, pinned={3})) == [1, 2, 4]
+
+
+def test_engine_order_follows_hints() -> None:
+    o = HostEvictionOrder()
+    o.apply_hints(HintDelta(positive=[2, 9], zero=[]))  # 9 is not stored yet
+    for h in (1, 2, 3):
+        o.touch(h)
+    assert list(o.victims()) == [1, 3, 2]
+    o.touch(9)
+    o.touch(1)
+    assert list(o.victims()) == [3, 1, 2, 9]
+    o.apply_hints(HintDelta(positive=[3], zero=[2]))
+    assert list(o.victims()) == [1, 2, 9, 3]
+    assert list(o.victims(pinned=lambda h: h == 1)) == [2, 9, 3]
+    o.remove(2)
+    assert 2 not in o and len(o) == 3
+    o.reset_hints([1])
+    assert list(o.victims()) == [9, 3, 1]
+
+
+def test_plain_lru_for_baselines_ignores_hints() -> None:
+    o = HostEvictionOrder(count_aware=False)
+    o.apply_hints(HintDelta(positive=[1], zero=[]))
+    for h in (1, 2):
+        o.touch(h)
+    assert list(o.victims()) == [1, 2]

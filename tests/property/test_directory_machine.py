@@ -1,0 +1,311 @@
+"""Stateful tests: the real directory against the naive reference of Algorithms E.1 and E.2.
+
+Random programs of agent context management (new branch, fork, sub-agent, append,
+compaction, branch end), placements (prefill routing, decode binding, P2P/D2D moves,
+P2D/D2P transfers), phase switches, KV events (stored, removed, cleared), node loss and host
+eviction run on both; after every step the counts, counted sets, versions, paths and
+prefix lookups must agree, and the invariants of the paper hold.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from evinfra.core.types import Phase, Tier
+from evinfra.directory import Directory
+from evinfra.directory.reference import ReferenceDirectory
+from tests.conftest import MIN_STEPS
+
+PAGE = 4
+NODES = {"p0": Phase.PREFILL, "p1": Phase.PREFILL, "d0": Phase.DECODE, "d1": Phase.DECODE}
+SYSTEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [20, 21, 22, 23]]
+tokens = st.lists(st.integers(0, 40), min_size=0, max_size=10)
+
+STEPS = {"n": 0}
+
+
+class DirectoryMachine(RuleBasedStateMachine):
+    directory_cls = Directory
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.real = self.directory_cls(NODES, PAGE)
+        self.ref = ReferenceDirectory(NODES, PAGE)
+        self.tokens: dict[str, list[int]] = {}
+        self.ended: set[str] = set()
+        self.settled: set[str] = set()
+        self.now = 0.0
+        self.next_id = 0
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"b{self.next_id}"
+
+    def _step(self, beta: str, toks: list[int], parent: str | None = None) -> None:
+        got = self.real.step(beta, toks, parent)
+        v, pi_old, pi_new = self.ref.step(beta, toks, parent)
+        assert got.version == v
+        assert got.path.hashes == pi_new
+        assert got.old_len == len(pi_old)
+        assert got.rewritten == (pi_new[: len(pi_old)] != pi_old)
+        self.tokens[beta] = list(toks)
+        self.settled.discard(beta)
+
+    def _tick(self) -> float:
+        self.now += 1.0
+        return self.now
+
+    def _active(self, data: st.DataObject) -> str:
+        return data.draw(st.sampled_from(sorted(self.tokens)), label="branch")
+
+    def _node(self, data: st.DataObject) -> str:
+        return data.draw(st.sampled_from(sorted(NODES)), label="node")
+
+    def _blocks(self, beta: str) -> list[int]:
+        return self.real.branches.path(beta).hashes
+
+    # -- context management ---------------------------------------------------------------
+
+    @rule(system=st.sampled_from(SYSTEMS), extra=tokens)
+    def new_branch(self, system: list[int], extra: list[int]) -> None:
+        self._step(self._new_id(), system + extra)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=tokens)
+    def fork(self, data: st.DataObject, extra: list[int]) -> None:
+        parent = self._active(data)
+        self._step(self._new_id(), self.tokens[parent] + extra, parent)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), system=st.sampled_from(SYSTEMS), task=tokens)
+    def sub_agent(self, data: st.DataObject, system: list[int], task: list[int]) -> None:
+        parent = self._active(data)
+        self._step(self._new_id(), system + task, parent)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=tokens)
+    def append(self, data: st.DataObject, extra: list[int]) -> None:
+        beta = self._active(data)
+        self._step(beta, self.tokens[beta] + extra)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), keep=st.integers(0, 12), summary=tokens)
+    def compaction(self, data: st.DataObject, keep: int, summary: list[int]) -> None:
+        beta = self._active(data)
+        self._step(beta, self.tokens[beta][:keep] + summary)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def branch_end(self, data: st.DataObject) -> None:
+        beta = self._active(data)
+        self.real.end(beta)
+        self.ref.end(beta)
+        del self.tokens[beta]
+        self.ended.add(beta)
+        self.settled.discard(beta)
+
+    # -- placements and transfers ---------------------------------------------------------
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), settle=st.booleans())
+    def place(self, data: st.DataObject, settle: bool) -> None:
+        """Prefill routing or decode binding; with ``settle`` also the point where the node
+        holds the current version (so a same-phase move releases the old node)."""
+        beta, n = self._active(data), self._node(data)
+        self.real.place(beta, n)
+        self.ref.place(beta, n)
+        if settle:
+            released = self.real.settle(beta, n)
+            before = set(self.ref.N(beta))
+            self.ref.settle(beta, n)
+            assert set(released) == before - set(self.ref.N(beta))
+            self.settled.add(beta)
+        else:
+            self.settled.discard(beta)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def move_same_phase(self, data: st.DataObject) -> None:
+        """P2P or D2D: place on another node of the phase of one of the branch's nodes."""
+        beta = self._active(data)
+        nodes = self.real.branches.nodes_of(beta)
+        if not nodes:
+            return
+        src = self.real.nodes[data.draw(st.sampled_from(nodes))]
+        phase = self.real.phase(src)
+        targets = sorted(n for n in NODES if n != src and self.real.phase(n) is phase)
+        if not targets:
+            return
+        dst = data.draw(st.sampled_from(targets))
+        for d in (self.real, self.ref):
+            d.place(beta, dst)
+            d.settle(beta, dst)
+        assert src not in [self.real.nodes[i] for i in self.real.branches.nodes_of(beta)]
+        self.settled.add(beta)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def transfer_cross_phase(self, data: st.DataObject) -> None:
+        """P2D or D2P: both copies keep their counts."""
+        beta = self._active(data)
+        nodes = [self.real.nodes[i] for i in self.real.branches.nodes_of(beta)]
+        if not nodes:
+            return
+        src = data.draw(st.sampled_from(nodes))
+        targets = sorted(n for n in NODES if self.real.phase(n) is not self.real.phase(src))
+        if not targets:
+            return
+        dst = data.draw(st.sampled_from(targets))
+        for d in (self.real, self.ref):
+            d.place(beta, dst)
+            d.settle(beta, dst)
+        assert src in [self.real.nodes[i] for i in self.real.branches.nodes_of(beta)]
+
+    # -- phase switches -------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def phase_switch(self, data: st.DataObject) -> None:
+        n = self._node(data)
+        new = Phase.PREFILL if self.real.phase(n) is Phase.DECODE else Phase.DECODE
+        self.real.switch_phase(n, new)
+        self.ref.switch_phase(n, new)
+        self.settled.clear()  # a switch changes which nodes share a phase
+
+    # -- KV events ------------------------------------------------------------------------
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), tier=st.sampled_from(list(Tier)), upto=st.integers(0, 8))
+    def kv_stored(self, data: st.DataObject, tier: Tier, upto: int) -> None:
+        beta, n = self._active(data), self._node(data)
+        blocks = self._blocks(beta)[:upto]
+        if not blocks:
+            return
+        now = self._tick()
+        self.real.apply(n, BlockStored(blocks, None, [0] * PAGE * len(blocks), PAGE,
+                                       medium=tier.medium), now)
+        self.ref.store(n, blocks, tier, now)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), tier=st.sampled_from(list(Tier)), picks=st.lists(st.integers(0, 8), max_size=4))
+    def kv_removed(self, data: st.DataObject, tier: Tier, picks: list[int]) -> None:
+        beta, n = self._active(data), self._node(data)
+        path = self._blocks(beta)
+        blocks = sorted({path[i] for i in picks if i < len(path)})
+        self.real.apply(n, BlockRemoved(blocks, medium=tier.medium), self._tick())
+        self.ref.remove(n, blocks, tier)
+
+    @rule(data=st.data())
+    def all_blocks_cleared(self, data: st.DataObject) -> None:
+        n = self._node(data)
+        self.real.apply(n, AllBlocksCleared(), self._tick())
+        self.ref.clear(n)
+
+    @rule(data=st.data())
+    def node_lost(self, data: st.DataObject) -> None:
+        n = self._node(data)
+        self.real.node_lost(n)
+        self.ref.clear(n)
+        for beta in list(self.ref.S):
+            if n in self.ref.N(beta):
+                self.ref.release(beta, n)
+
+    @rule(data=st.data(), s=st.integers(1, 6), pin_every=st.integers(0, 3))
+    def host_eviction(self, data: st.DataObject, s: int, pin_every: int) -> None:
+        n = self._node(data)
+        idx = self.real.index(n)
+        candidates = sorted(self.real.tree.host_only_blocks(idx))
+        pinned = set(candidates[::pin_every]) if pin_every else set()
+        zero_before = {b for b in candidates
+                       if b not in pinned and self.real.branches.count(b, idx) == 0}
+        positive = {b for b in candidates if self.real.branches.count(b, idx) > 0}
+        got = self.real.evict_host(n, s, pinned)
+        want = self.ref.evict_host(n, s, pinned)
+        assert got == want
+        assert not pinned & set(got)
+        # Never a positive-count victim while a zero-count unpinned one remained.
+        for i, b in enumerate(got):
+            if b in positive:
+                assert zero_before <= set(got[:i]), "evicted a positive count before a zero one"
+
+    # -- invariants -----------------------------------------------------------------------
+
+    @invariant()
+    def counts_agree(self) -> None:
+        STEPS["n"] += 1
+        want = {k: v for k, v in self.ref.counts_from_sets().items() if v}
+        literal = {k: v for k, v in self.ref.R.items() if v}
+        assert literal == want, "reference E.2 arithmetic disagrees with its own sets"
+        assert all(v >= 0 for v in self.ref.R.values()), "negative count"
+        got = {}
+        for n in NODES:
+            idx = self.real.index(n)
+            for b, r in self.real.branches.counts(idx).items():
+                assert r > 0, "non-positive count stored"
+                got[b, n] = r
+        assert got == want
+
+    @invariant()
+    def branches_agree(self) -> None:
+        assert set(self.real.branches.branches()) == set(self.ref.S) == set(self.tokens)
+        for beta in self.tokens:
+            assert self.real.branches.version(beta) == self.ref.S[beta].v
+            for n in NODES:
+                real_c = self.real.branches.counted(beta, self.real.index(n))
+                assert real_c == self.ref.S[beta].C.get(n, set()), (beta, n)
+        for beta in self.ended:
+            assert beta not in self.real.branches
+
+    @invariant()
+    def one_node_per_phase_once_settled(self) -> None:
+        for beta in self.settled:
+            if beta not in self.tokens:
+                continue
+            phases = [self.real.branches.phase(i) for i in self.real.branches.nodes_of(beta)]
+            assert len(phases) == len(set(phases)), (beta, phases)
+
+    @invariant()
+    def lookups_agree(self) -> None:
+        self.real.check_invariants()
+        for beta in self.tokens:
+            path = self._blocks(beta)
+            m = self.real.match(path)
+            assert m.union == self.ref.union_prefix(path)
+            for n in NODES:
+                idx = self.real.index(n)
+                assert m.own[idx] == self.ref.own_prefix(n, path)
+                assert m.own_l1[idx] == self.ref.own_prefix(n, path, Tier.L1)
+
+
+def test_directory_agrees_with_reference() -> None:
+    STEPS["n"] = 0
+    run_state_machine_as_test(DirectoryMachine)
+    profile = settings.get_current_profile_name()
+    assert STEPS["n"] >= MIN_STEPS.get(profile, 0), f"only {STEPS['n']} steps ran"
+
+
+class _IgnoresEvictions(Directory):
+    """A mutant that never zeroes counts of lost blocks (Dynamo's selftest idea)."""
+
+    def apply(self, node, event, now):  # type: ignore[override]
+        self.tree.apply(node, event, now)
+
+
+class _MutantMachine(DirectoryMachine):
+    directory_cls = _IgnoresEvictions
+
+
+def test_the_machine_catches_a_directory_that_ignores_evictions() -> None:
+    import pytest
+
+    from hypothesis import Phase as HPhase
+
+    # No shrinking: the point is that the machine finds a failure, not the smallest one.
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            _MutantMachine, settings=settings(max_examples=200, stateful_step_count=40,
+                                              phases=[HPhase.generate], print_blob=False))

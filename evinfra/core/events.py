@@ -157,6 +157,10 @@ class IterationReport(msgspec.Struct, tag=True, frozen=True, gc=False):
     A prefill iteration lists its chunks in ``prefill``; a decode iteration has ``batch``
     running requests (``B`` of Eq. 2), each fed ``t_fwd`` tokens, and ``accepted`` output
     tokens in total (so ``t_acc = accepted / batch``).
+
+    ``count`` > 1 summarises that many identical consecutive decode iterations (same batch,
+    ``duration`` each, ``accepted`` in total): an engine that computes its next state change
+    instead of waking every iteration (the simulator's fake engine) reports a run at once.
     """
 
     node: str
@@ -166,7 +170,103 @@ class IterationReport(msgspec.Struct, tag=True, frozen=True, gc=False):
     batch: int = 0
     t_fwd: int = 1
     accepted: int = 0
+    count: int = 1
 
     @property
     def is_prefill(self) -> bool:
         return bool(self.prefill)
+
+
+class NodeKVEvents(msgspec.Struct, frozen=True, gc=False):
+    """A batch of KV events from ``node``'s engine, with its publisher sequence number."""
+
+    node: str
+    seq: int
+    batch: KVEventBatch
+
+
+class NodeState(msgspec.Struct, frozen=True, gc=False):
+    """A node's state, reported at every iteration launch (paper E.3 "Parameters").
+
+    ``launched`` are the prefill chunks of the iteration starting at ``time`` (empty for a
+    decode iteration or an idle node). ``kv_room`` is GPU KV the node could give a new decode
+    request now (free plus evictable tokens).
+    """
+
+    node: str
+    time: float
+    phase: str
+    launched: list[PrefillItem] = []
+    queued: int = 0
+    prefilling: int = 0
+    decoding: int = 0
+    kv_room: int = 0
+    l1_used: int = 0
+    l1_capacity: int = 0
+    l2_used: int = 0
+    l2_capacity: int = 0
+
+
+class PrefillStarted(msgspec.Struct, frozen=True, gc=False):
+    """The first chunk of ``request`` launched on ``node``: time to bind its decode node."""
+
+    request: str
+    node: str
+    time: float
+
+
+class PrefillDone(msgspec.Struct, frozen=True, gc=False):
+    """``request`` finished prefill on ``node``. ``cached`` input tokens were reused (of which
+    ``fetched`` came from peers), ``computed`` were prefilled."""
+
+    request: str
+    node: str
+    time: float
+    cached: int
+    fetched: int
+    computed: int
+
+
+class TokensOut(msgspec.Struct, frozen=True, gc=False):
+    """New output tokens of ``request``; ``finish`` is None until the last batch."""
+
+    request: str
+    node: str
+    time: float
+    tokens: list[int]
+    finish: str | None = None
+
+
+class RequestFailed(msgspec.Struct, frozen=True, gc=False):
+    """``request`` failed on ``node``. ``started`` says whether its prefill had begun: a
+    request whose prefill had not started may be routed again."""
+
+    request: str
+    node: str
+    time: float
+    error: str
+    started: bool
+
+
+class Withdrawn(msgspec.Struct, frozen=True, gc=False):
+    """A queued request was taken back from ``node`` before its prefill started (drain)."""
+
+    request: str
+    node: str
+    time: float
+
+
+class PhaseSwitched(msgspec.Struct, frozen=True, gc=False):
+    """``node`` serves ``phase`` from ``time`` on."""
+
+    node: str
+    phase: str
+    time: float
+
+
+class NodeDown(msgspec.Struct, frozen=True, gc=False):
+    """``node``'s engine is gone (crash, lost connection): its KV and its work are lost."""
+
+    node: str
+    time: float
+    reason: str

@@ -1,0 +1,416 @@
+"""Online phase-split adaptation: paper 5.2 and the outer loop of Algorithm E.3 (lines 1, 15-29).
+
+:func:`plan` is the pure decision at the end of a window: Θ (Eq. 5) of every candidate split
+on every slice, the gains (Eq. 6), the ``ḡ > 2σ/√m`` test and the choice. :class:`Planner`
+is the state around it: warmup and fit (line 1), the window and its slices (line 15), the
+hold-off and draining guard (line 16), and the split it keeps. Both are synchronous and take
+the time as an argument; the service feeds them observations and applies the decisions.
+
+Candidates (line 19). The nodes are put in one order π: the prefill nodes first, those with
+the strongest relative advantage for prefill (``μ_P,n / μ_D,n`` at the window's mean work)
+first, then the decode nodes in the same order; ties go by node name. The candidate with
+``p`` prefill nodes is ``(π[:p], π[p:])``: for ``p < |P|`` it moves the prefill nodes least
+suited to prefill, for ``p > |P|`` the decode nodes best suited to it, and it changes
+``|p − |P||`` nodes, the fewest possible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Iterable, Sequence
+
+import msgspec
+import numpy as np
+import structlog
+
+from evinfra.core.events import IterationReport
+from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
+from evinfra.errors import ConfigError
+from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi
+from evinfra.planner.window import SliceWork, Window
+
+__all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "plan"]
+
+log = structlog.get_logger(__name__)
+
+
+class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The planner's parameters; defaults are the paper's runs (6.1, E.3 "Parameters")."""
+
+    t_learn: PosFloat = 1800.0
+    """Collocated warmup before the models freeze (E.3 line 1; E.3 "Parameters": 1,800 s)."""
+    t_win: PosFloat = 600.0
+    """Planning window T_win (6.1, E.3: 600 s)."""
+    m: Annotated[int, msgspec.Meta(ge=2)] = 10
+    """Slices per window (6.1, E.3: 60-s slices, m = 10); the 2σ/√m test needs two."""
+    hold_off: NonNegFloat = 120.0
+    """Seconds skipped after a switch (E.3 line 16 and "Parameters": 120 s)."""
+    experts_per_token: PosInt = 8
+    """k of φ(B): routed experts each token selects (GLM-5.2: 8 of 256, App. B.1)."""
+    routed_experts: PosInt = 256
+    """E of φ(B) (GLM-5.2: 256, App. B.1)."""
+    t_fwd: PosInt = 2
+    """Tokens a running request feeds each decode iteration (5.1). The paper gives 6 for
+    DeepSeek-V4-Flash (App. B.1) and only "MTP" for GLM-5.2 (6.1); 2 is one draft token."""
+
+    def __post_init__(self) -> None:
+        if self.experts_per_token > self.routed_experts:
+            raise ValueError("experts_per_token (k) cannot exceed routed_experts (E)")
+
+    @property
+    def k_over_e(self) -> float:
+        return self.experts_per_token / self.routed_experts
+
+
+class Split(msgspec.Struct, frozen=True):
+    """A PD split: which nodes prefill and which decode (names sorted)."""
+
+    prefill: tuple[NodeId, ...]
+    decode: tuple[NodeId, ...]
+
+    @classmethod
+    def of(cls, nodes: Iterable[NodeId], prefill: Iterable[NodeId]) -> "Split":
+        p = set(prefill)
+        return cls(tuple(sorted(p)), tuple(sorted(n for n in nodes if n not in p)))
+
+    @property
+    def label(self) -> str:
+        return f"{len(self.prefill)}P{len(self.decode)}D"
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """A candidate of Algorithm E.3 lines 19-24: ``(order[:prefill], order[prefill:])``."""
+
+    prefill: int
+    moved: int
+    """Nodes that would switch phase: ``|prefill − |P||``."""
+    gains: list[float]
+    """g_i of Eq. 6 on each usable slice, requests per second."""
+    mean: float
+    sigma: float
+    threshold: float
+    """``2σ/√m``, with m the number of usable slices."""
+    qualified: bool
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """What the planner decided at ``at`` and why; JSON-encodable for logs and the API."""
+
+    at: float
+    split: Split
+    """The split the window ran with."""
+    reason: str
+    chosen: Split | None = None
+    """The split to switch to, or None to keep ``split``."""
+    slices: list[SliceWork] = []
+    order: list[NodeId] = []
+    """π: a candidate with p prefill nodes prefills on ``order[:p]``."""
+    theta: list[float] = []
+    """Θ of ``split`` on each usable slice (Eq. 5), requests per second."""
+    candidates: list[Candidate] = []
+
+
+# -- the decision ----------------------------------------------------------------------------
+
+
+class _Arrays:
+    """The models as columns in one node order: what Eq. 3 and Eq. 4 need per node."""
+
+    def __init__(self, k_over_e: float, t_fwd: float, columns: np.ndarray) -> None:
+        self.k_over_e, self.t_fwd, self.columns = k_over_e, t_fwd, columns
+        # c0/t̄ + c1 is Eq. 3's cost per uncached token; c3·f its cost per cached token.
+        self.per_token, self.c2, self.c3f, self.d0, self.d1, self.d2 = columns
+
+    @classmethod
+    def of(cls, models: Sequence[NodeModel]) -> "_Arrays":
+        shapes = {(x.k_over_e, x.t_fwd) for x in models}
+        if len(shapes) != 1:
+            raise ValueError(f"all nodes must serve one model (k/E, t_fwd): got {shapes}")
+        (k_over_e, t_fwd), = shapes
+        return cls(k_over_e, t_fwd, np.array(
+            [(x.c0 / x.t_bar + x.c1, x.c2, x.c3 * x.f, x.d0, x.d1, x.d2) for x in models]).T)
+
+    def take(self, order: np.ndarray) -> "_Arrays":
+        return _Arrays(self.k_over_e, self.t_fwd, self.columns[:, order])
+
+    def t_p_req(self, t_uc: np.ndarray, A: np.ndarray, t_c: np.ndarray) -> np.ndarray:  # noqa: N803
+        """Eq. 3 for every (work, node) pair: shape ``work.shape + (N,)``."""
+        return (np.multiply.outer(t_uc, self.per_token) + np.multiply.outer(A, self.c2)
+                + np.multiply.outer(t_c, self.c3f))
+
+    def t_d_iter(self, B: float) -> np.ndarray:  # noqa: N803
+        return self.d0 + self.d1 * phi(B, self.k_over_e, self.t_fwd) + self.d2 * B
+
+
+def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
+    """Θ(π[:p], π[p:]; w̄_i, q̄_i) of Eq. 5 for p = 1..N−1, shape (m, N−1), with
+    ``nodes`` in the order π.
+
+    The prefill side is a prefix sum of the μ_P matrix (m × N, computed once). The decode side
+    is not a suffix sum of one matrix: B = q̄/|D| changes with p, so every node's μ_D is
+    evaluated at the B of each candidate it decodes in, O(N·m) per candidate.
+    """
+    n = len(nodes.d0)
+    mu_p = 1.0 / nodes.t_p_req(w["t_uc"], w["A"], w["t_c"])
+    prefill = np.cumsum(mu_p, axis=1)[:, :-1]
+    B = w["q"][:, None] / (n - np.arange(1, n))  # noqa: N806
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # Eq. 4: μ_D,n = B·t_acc / (T_D,n^iter(B)·t_out); no requests in decode -> 0.
+        decode = np.where(B > 0, B / w["n_iter"][:, None] * _inverse_iter_sums(nodes, B), 0.0)
+    return np.minimum(prefill, decode)
+
+
+def _inverse_iter_sums(nodes: _Arrays, B: np.ndarray, chunk: int = 16) -> np.ndarray:  # noqa: N803
+    """``S[i, p−1] = Σ_{k ≥ p} 1 / T_D,k^iter(B[i, p−1])``: every candidate's decode side.
+
+    Computed ``chunk`` candidates at a time for all slices, so the working set (m × chunk × N)
+    stays in cache; within a chunk, the nodes a candidate does not decode on are set to
+    ``T = inf`` so they add 0.
+    """
+    m, c = B.shape
+    f = phi(B, nodes.k_over_e, nodes.t_fwd)
+    out = np.empty((m, c))
+    not_decoding = np.tril(np.full((chunk, chunk), np.inf), -1)
+    buf, tmp = np.empty(m * chunk * (c + 1)), np.empty(m * chunk * (c + 1))
+    for j0 in range(0, c, chunk):
+        j1 = min(j0 + chunk, c)
+        r, p0 = j1 - j0, j0 + 1
+        shape = (m, r, c + 1 - p0)
+        t = buf[:math.prod(shape)].reshape(shape)
+        u = tmp[:math.prod(shape)].reshape(shape)
+        np.multiply(f[:, j0:j1, None], nodes.d1[p0:], out=t)
+        t += nodes.d0[p0:]
+        np.multiply(B[:, j0:j1, None], nodes.d2[p0:], out=u)
+        t += u
+        t[:, :, :r] += not_decoding[:r, :r]
+        np.reciprocal(t, out=t)
+        t.sum(axis=-1, out=out[:, j0:j1])
+    return out
+
+
+def _order(nodes: _Arrays, names: Sequence[NodeId], split: Split,
+           w: dict[str, np.ndarray]) -> np.ndarray:
+    """π (module docstring): indices into ``names``."""
+    weight = w["requests"] / w["requests"].sum()
+    t_uc, A, t_c, n_iter = (weight @ w[k] for k in ("t_uc", "A", "t_c", "n_iter"))  # noqa: N806
+    B = w["q"].mean() / len(split.decode)  # noqa: N806
+    # μ_P,n / μ_D,n up to the factor n_iter/B that every node shares.
+    advantage = nodes.t_d_iter(B) / nodes.t_p_req(t_uc, A, t_c)
+    rank = np.argsort(np.argsort(names))
+    prefill = np.isin(names, split.prefill)
+    # Prefill nodes leave from the end of their segment: least advantage, then larger name
+    # last, so among equals the smaller name moves first as it does in the decode segment.
+    p_order = np.flatnonzero(prefill)[np.lexsort((-rank[prefill], -advantage[prefill]))]
+    d_order = np.flatnonzero(~prefill)[np.lexsort((rank[~prefill], -advantage[~prefill]))]
+    return np.concatenate([p_order, d_order])
+
+
+def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork], *,
+         at: float) -> Decision:
+    """Algorithm E.3 lines 17-28 for one window: evaluate every prefill count, pick or keep.
+
+    ``models`` are usable models of every node of ``split`` (their t̄_n, f_n remeasured);
+    ``slices`` are the window's. Slices without finished requests have no w̄ and are left
+    out; m in ``2σ/√m`` counts the slices used. σ is the sample standard deviation.
+    """
+    used = [s for s in slices if s.usable]
+    if len(used) < 2:
+        return Decision(at=at, split=split, slices=list(slices), reason=(
+            f"keep {split.label}: only {len(used)} of {len(slices)} slices had finished "
+            "requests and decode iterations, the 2σ/√m test needs 2"))
+    names = [x.node for x in models]
+    if sorted(names) != sorted(split.prefill + split.decode):
+        raise ValueError(f"models of {sorted(names)} do not match the split {split}")
+    if len(names) == 2:
+        return Decision(at=at, split=split, slices=list(slices),
+                        reason="keep 1P1D: the only split with a node in each phase")
+    w = {k: np.array([getattr(s, k) for s in used]) for k in ("requests", "t_uc", "A", "t_c", "q")}
+    w["n_iter"] = np.array([s.t_out / s.t_acc for s in used])
+    nodes = _Arrays.of(models)
+    order = _order(nodes, names, split, w)
+    theta = _theta(nodes.take(order), w)
+    m, current = len(used), len(split.prefill)
+    gains = theta - theta[:, [current - 1]]
+    mean = gains.mean(axis=0)
+    sigma = gains.std(axis=0, ddof=1)
+    threshold = 2 * sigma / math.sqrt(m)
+    qualified = mean > threshold
+    qualified[current - 1] = False
+    candidates = [
+        Candidate(prefill=j + 1, moved=abs(j + 1 - current), gains=g, mean=mu, sigma=s,
+                  threshold=th, qualified=ok)
+        for j, (g, mu, s, th, ok) in enumerate(zip(gains.T.tolist(), mean.tolist(),
+                                                   sigma.tolist(), threshold.tolist(),
+                                                   qualified.tolist()))
+        if j + 1 != current]
+    ordered = [names[i] for i in order]
+    chosen = None
+    if qualified.any():
+        best = int(np.argmax(np.where(qualified, mean, -np.inf)))
+        chosen = Split.of(names, ordered[:best + 1])
+        reason = (f"switch {split.label} -> {chosen.label}: largest mean gain "
+                  f"{mean[best]:.4g} req/s > 2σ/√m = {threshold[best]:.4g} "
+                  f"({int(qualified.sum())} of {len(candidates)} candidates qualify, m = {m})")
+    else:
+        best = int(np.argmax(np.where(np.arange(len(mean)) == current - 1, -np.inf, mean)))
+        reason = (f"keep {split.label}: no candidate's mean gain exceeds 2σ/√m (best "
+                  f"{best + 1}P: {mean[best]:.4g} req/s vs {threshold[best]:.4g}, m = {m})")
+    return Decision(at=at, split=split, slices=list(slices), order=ordered,
+                    theta=theta[:, current - 1].tolist(), candidates=candidates,
+                    chosen=chosen, reason=reason)
+
+
+# -- the state around it ---------------------------------------------------------------------
+
+
+class Planner:
+    """The phase-split planner of one cluster (Algorithm E.3 outer loop).
+
+    Life cycle: construct at the start of serving (every node collocated) and feed it
+    ``observe_*``; once :meth:`ready`, call :meth:`finish_warmup`, which fits and freezes the
+    models and starts PD disaggregation from the initial split; then call :meth:`decide` at
+    every :attr:`window_end` and apply a chosen split; report each switched node's end of
+    draining with :meth:`drained`. Observations made outside the current window (during the
+    hold-off, or late) do not count toward it.
+    """
+
+    def __init__(self, config: PlannerConfig, nodes: Sequence[NodeId],
+                 prefill: Iterable[NodeId], *, start: float) -> None:
+        names = list(nodes)
+        prefill = set(prefill)
+        if len(set(names)) != len(names) or not prefill <= set(names):
+            raise ConfigError(f"initial prefill nodes {sorted(prefill)} must be among the "
+                              f"distinct nodes {names}", key="prefill")
+        if not 0 < len(prefill) < len(names):
+            raise ConfigError("the initial split needs at least one prefill and one decode "
+                              "node", key="prefill")
+        self.config = config
+        self.nodes = names
+        self.split = Split.of(names, prefill)
+        self.warmup_end = start + config.t_learn
+        self.models: dict[NodeId, NodeModel] = {}
+        self.fits: dict[NodeId, FitReport] = {}
+        """The latest fit of every node (the warmup's, or a refit of an unusable one)."""
+        self.draining: set[NodeId] = set()
+        self._fitters = {n: NodeFitter(n, config.k_over_e, config.t_fwd) for n in names}
+        self._window: Window | None = None
+        self._last_switch = -math.inf
+        self._q = 0.0
+
+    # -- observations ----------------------------------------------------------------------
+
+    def observe_iteration(self, report: IterationReport) -> None:
+        """An engine's forward pass: fitting data during warmup (and for nodes whose fit was
+        unusable), t̄_n, f_n and t_acc after it."""
+        if report.node not in self.fits and report.node not in self._fitters:
+            log.warning("planner_unknown_node", node=report.node)
+            return
+        if report.node in self._fitters:
+            self._fitters[report.node].add(report)
+        if self._window is None:
+            return
+        if report.prefill:
+            self._window.add_prefill(report.start, report.node, report.prefill)
+        elif report.batch:
+            self._window.add_decode(report.start, report.batch, report.accepted, report.count)
+
+    def observe_request(self, now: float, t_uc: float, t_c: float, t_out: float) -> None:
+        """A request finished with this work (its t_acc comes from the decode iterations)."""
+        if self._window is not None:
+            self._window.add_request(now, t_uc, t_c, t_out)
+
+    def observe_decode(self, now: float, q: float) -> None:
+        """The number of requests in decode, cluster-wide, became ``q``."""
+        self._q = q
+        if self._window is not None:
+            self._window.set_q(now, q)
+
+    def drained(self, node: NodeId, now: float) -> None:
+        """``node`` finished the requests it ran before its switch and now serves its new phase."""
+        self.draining.discard(node)
+        log.info("planner_drained", node=node, at=now, still_draining=sorted(self.draining))
+
+    # -- warmup ----------------------------------------------------------------------------
+
+    @property
+    def warming_up(self) -> bool:
+        return not self.models
+
+    def ready(self, now: float) -> bool:
+        """The warmup T_learn is over and :meth:`finish_warmup` is due."""
+        return self.warming_up and now >= self.warmup_end
+
+    def finish_warmup(self, now: float) -> list[FitReport]:
+        """Algorithm E.3 line 1: fit every node's models, freeze them, start the first window.
+
+        Nodes whose fit is unusable keep collecting records and are refitted at every window
+        end; until all are usable the planner keeps the split and says which node lacks what.
+        """
+        if not self.warming_up:
+            raise RuntimeError("finish_warmup was already called")
+        reports = [fitter.fit() for fitter in self._fitters.values()]
+        self.fits = {r.node: r for r in reports}
+        self.models = {r.node: r.model for r in reports}
+        self._fitters = {r.node: self._fitters[r.node] for r in reports if not r.usable}
+        for r in reports:
+            (log.info if r.usable else log.warning)("planner_fit", **msgspec.to_builtins(r))
+        self._window = Window(now, self.config.t_win, self.config.m, self._q)
+        return reports
+
+    # -- decisions -------------------------------------------------------------------------
+
+    @property
+    def window_end(self) -> float:
+        """When :meth:`decide` is next due (the warmup end while warming up)."""
+        return self.warmup_end if self._window is None else self._window.end
+
+    def decide(self, now: float) -> Decision:
+        """Algorithm E.3 lines 15-29 at the end of a window. A chosen split becomes
+        :attr:`split` at once; its moved nodes are :attr:`draining` until :meth:`drained`."""
+        if self._window is None:
+            return Decision(at=now, split=self.split, reason=(
+                f"warming up (collocated) until {self.warmup_end:g} s, then finish_warmup"))
+        if now < self._window.end:
+            hold = self._last_switch + self.config.hold_off
+            why = (f"hold-off after the switch at {self._last_switch:g} s until {hold:g} s"
+                   if now < hold else f"window ends at {self._window.end:g} s")
+            return Decision(at=now, split=self.split, reason=f"keep {self.split.label}: {why}")
+        slices = self._window.close()
+        self._remeasure(self._window)
+        blocked = self._blocked()
+        if blocked:
+            decision = Decision(at=now, split=self.split, slices=slices,
+                                reason=f"keep {self.split.label}: {blocked}")
+        else:
+            decision = plan([self.models[n] for n in self.nodes], self.split, slices, at=now)
+        start = now
+        if decision.chosen is not None:
+            self.draining = set(decision.chosen.prefill) ^ set(self.split.prefill)
+            self.split = decision.chosen
+            self._last_switch = now
+            start = now + self.config.hold_off
+        self._window = Window(start, self.config.t_win, self.config.m, self._q)
+        log.info("planner_decision", **msgspec.to_builtins(decision))
+        return decision
+
+    def _remeasure(self, window: Window) -> None:
+        """E.3 line 15: new t̄_n, f_n for every model; refit the nodes still unusable."""
+        for node, fitter in list(self._fitters.items()):
+            report = fitter.fit()
+            self.fits[node] = report
+            self.models[node] = report.model
+            if report.usable:
+                del self._fitters[node]
+                log.info("planner_fit", **msgspec.to_builtins(report))
+        measured = window.remeasure({n: (x.t_bar, x.f) for n, x in self.models.items()})
+        self.models = {n: x.remeasured(*measured[n]) for n, x in self.models.items()}
+
+    def _blocked(self) -> str | None:
+        if self.draining:
+            return (f"{', '.join(sorted(self.draining))} still draining from the switch at "
+                    f"{self._last_switch:g} s")
+        unusable = [n for n, x in self.models.items() if not (x.prefill_ok and x.decode_ok)]
+        if unusable:
+            return "no usable model for " + "; ".join(
+                f"{n}: {'; '.join(self.fits[n].problems)}" for n in unusable)
+        return None

@@ -1,0 +1,143 @@
+"""Slice statistics of one planning window: Algorithm E.3 line 15.
+
+A window of length ``T_win`` is cut into ``m`` equal slices. Per slice it keeps the sums
+behind w̄_i (finished requests' ``t_uc``, ``A``, ``t_c``, ``t_out``; decode iterations'
+accepted tokens for ``t_acc``) and the time integral of ``q``, the number of requests in
+decode, for q̄_i. Per node it keeps the prefill iterations behind t̄_n and f_n. Memory is
+O(m + nodes): nothing per request survives its ``add_request``.
+
+Why means of terms: Eq. 3 is linear in ``(t_uc, A, t_c)`` and Eq. 4 in ``t_out`` for a slice's
+``t_acc``, so Θ evaluated on these means is the inverse of the exact mean occupancy of the
+slice's requests, and that, not the mean of ``1/T^req``, is what a node sustains.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import msgspec
+
+from evinfra.core.events import PrefillItem
+from evinfra.core.types import NodeId, qk_pairs
+from evinfra.planner.itermodel import PrefillMix
+
+__all__ = ["SliceWork", "Window"]
+
+
+class SliceWork(msgspec.Struct, frozen=True, kw_only=True):
+    """w̄_i and q̄_i of one slice: the means of its finished requests' work terms and the
+    time-weighted mean number of requests in decode. Without finished requests (or any decode
+    iteration in the window, for t_acc) the slice has no w̄ and is not ``usable``."""
+
+    start: float
+    requests: int
+    t_uc: float
+    A: float
+    t_c: float
+    t_out: float
+    t_acc: float
+    """Output tokens per request per decode iteration, from the slice's decode iterations (the
+    window's when the slice had none)."""
+    q: float
+
+    @property
+    def usable(self) -> bool:
+        return self.requests > 0 and self.t_acc > 0
+
+
+class Window:
+    """Observations of one window ``[start, start + length)``; outside it they are ignored.
+
+    ``q`` is the number of requests in decode at ``start`` (it is a level, not an event, so
+    it carries over from the previous window and the hold-off).
+    """
+
+    def __init__(self, start: float, length: float, m: int, q: float) -> None:
+        self.start = start
+        self.end = start + length
+        self.m = m
+        self._dt = length / m
+        # Per slice: finished requests and their Σt_uc, ΣA, Σt_c, Σt_out; decode iterations'
+        # accepted tokens and request-iterations (Σ batch); ∫q dt. Lists: one slice is updated
+        # per observation, where numpy's per-call cost would dominate.
+        self._work = [[0.0] * 5 for _ in range(m)]
+        self._accepted = [0.0] * m
+        self._fed = [0.0] * m
+        self._q_area = [0.0] * m
+        self._q = q
+        self._q_at = start
+        self.mix: dict[NodeId, PrefillMix] = {}
+
+    def _slice(self, now: float) -> int | None:
+        if not self.start <= now < self.end:
+            return None
+        return min(int((now - self.start) / self._dt), self.m - 1)
+
+    def add_request(self, now: float, t_uc: float, t_c: float, t_out: float) -> None:
+        i = self._slice(now)
+        if i is not None:
+            for k, x in enumerate((1.0, t_uc, qk_pairs(t_uc, t_c), t_c, t_out)):
+                self._work[i][k] += x
+
+    def add_decode(self, now: float, batch: int, accepted: int, count: int = 1) -> None:
+        """``count`` decode iterations of ``batch`` requests with ``accepted`` tokens in all.
+        ``accepted < batch·count`` means the engine did not report its accepted tokens (every
+        running request gains at least one per iteration), so it is skipped."""
+        i = self._slice(now)
+        if i is not None and accepted >= batch * count > 0:
+            self._accepted[i] += accepted
+            self._fed[i] += batch * count
+
+    def add_prefill(self, now: float, node: NodeId, items: Sequence[PrefillItem]) -> None:
+        # A request chunked across the window start counts its first chunk here as cached:
+        # at most one chunk per node per window, against hundreds of requests.
+        if self._slice(now) is not None:
+            self.mix.setdefault(node, PrefillMix()).add(items)
+
+    def set_q(self, now: float, q: float) -> None:
+        """The number of requests in decode became ``q`` at ``now``."""
+        self._integrate(min(now, self.end))
+        self._q = q
+
+    def _integrate(self, until: float) -> None:
+        t = self._q_at
+        i = self._slice(t)
+        while t < until:
+            seg = min(until, self.start + (i + 1) * self._dt if i < self.m - 1 else self.end)
+            self._q_area[i] += self._q * (seg - t)
+            t, i = seg, i + 1
+        self._q_at = max(self._q_at, until)
+
+    def close(self) -> list[SliceWork]:
+        """w̄_i and q̄_i of every slice, integrating q up to the window end."""
+        self._integrate(self.end)
+        fed = sum(self._fed)
+        pooled = sum(self._accepted) / fed if fed else 0.0
+        out = []
+        for i, (n, t_uc, A, t_c, t_out) in enumerate(self._work):  # noqa: N806
+            per = 1.0 / n if n else 0.0
+            out.append(SliceWork(
+                start=self.start + i * self._dt, requests=int(n), t_uc=t_uc * per, A=A * per,
+                t_c=t_c * per, t_out=t_out * per, q=self._q_area[i] / self._dt,
+                t_acc=self._accepted[i] / self._fed[i] if self._fed[i] else pooled))
+        return out
+
+    def remeasure(self, previous: Mapping[NodeId, tuple[float, float]]
+                  ) -> dict[NodeId, tuple[float, float]]:
+        """``{node: (t̄_n, f_n)}`` for the nodes of ``previous`` (E.3 line 15).
+
+        A node that prefilled in this window gets its own values. A node that did not (a
+        decode node) gets the values pooled over the window's prefill nodes: t̄ and f follow
+        the workload mix, which the router spreads over all prefill nodes, and that is what
+        the node would see if a candidate split moved it to prefill. Without any prefill
+        iterations, and for f without any cached tokens, the previous values stay.
+        """
+        pooled = PrefillMix()
+        for mix in self.mix.values():
+            pooled.merge(mix)
+        out = {}
+        for node, (t_bar, f) in previous.items():
+            mix = self.mix.get(node, pooled)
+            out[node] = (mix.t_bar if mix.t_bar is not None else t_bar,
+                         mix.f if mix.f is not None else f)
+        return out

@@ -1,0 +1,157 @@
+import numpy as np
+import pytest
+
+from evinfra.core.events import BlockStored, NodeState, PrefillItem
+from evinfra.core.types import Phase
+from evinfra.directory import Directory
+from evinfra.router.router import DecodeBinding, Refusal, Route, RouteRequest, Router, RouterConfig
+from evinfra.router.ttft import TTFTConfig
+
+PAGE = 64
+rng = np.random.default_rng(0)
+FAMILY = rng.integers(0, 50_000, size=20_000, dtype=np.uint32)  # an agent family's prefix
+
+
+def make(nodes=None) -> Router:
+    nodes = nodes or {"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE, "D2": Phase.DECODE}
+    return Router(Directory(nodes, PAGE), RouterConfig())
+
+
+def hold(router: Router, node: str, tokens: np.ndarray) -> list[int]:
+    path = router.directory.branches.hasher.hash(tokens).hashes
+    for medium in ("GPU", "CPU_PINNED"):
+        router.directory.apply(node, BlockStored(path, None, [], PAGE, medium=medium), 0.0)
+    return path
+
+
+def req(rid: str, tokens, branch=None, parent=None, max_tokens=100) -> RouteRequest:
+    return RouteRequest(rid, branch or rid, tokens, max_tokens, parent)
+
+
+def load(router: Router, node: str, n: int, now: float = 0.0) -> None:
+    """Queue n requests of 8K fresh tokens on ``node`` as if routed there earlier."""
+    q = router._nodes[node].queue
+    for i in range(n):
+        q.add(f"load-{node}-{i}", 8192, 0, 0)
+
+
+def test_loaded_prefix_holder_loses_to_an_idle_node_that_fetches() -> None:
+    r = make()
+    hold(r, "P1", FAMILY)
+    load(r, "P1", 20)
+    tokens = np.concatenate([FAMILY, rng.integers(0, 50_000, size=500, dtype=np.uint32)])
+    route = r.route(req("q1", tokens, branch="fork-2"), now=0.0)
+    assert isinstance(route, Route)
+    assert route.node == "P2"
+    p = route.prediction
+    assert p.x == 19_968 and p.t_c == 19_968  # 312 full pages, all fetched
+    assert [(f.peer, f.start, len(f.blocks)) for f in route.fetch] == [("P1", 0, 312)]
+    assert route.fetch[0].blocks == route.path.hashes[:312]
+
+
+def test_idle_prefix_holder_keeps_the_request() -> None:
+    r = make()
+    hold(r, "P1", FAMILY)
+    tokens = np.concatenate([FAMILY, rng.integers(0, 50_000, size=500, dtype=np.uint32)])
+    route = r.route(req("q1", tokens), now=0.0)
+    assert route.node == "P1" and route.fetch == [] and route.prediction.x == 0
+
+
+def test_the_queue_counts_requests_the_node_has_not_reported() -> None:
+    r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
+    seen = [r.route(req(f"q{i}", rng.integers(0, 50_000, size=8000, dtype=np.uint32)), 0.0).node
+            for i in range(6)]
+    assert seen == ["P1", "P2", "P1", "P2", "P1", "P2"]
+
+
+def test_stale_state_is_ignored() -> None:
+    r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
+    # P1 launched a long iteration at t=0 (800K-token context: seconds of attention).
+    r.on_state(NodeState("P1", 0.0, "prefill", launched=[PrefillItem("x", 8192, 800_000)]))
+    toks = rng.integers(0, 50_000, size=1000, dtype=np.uint32)
+    assert r.route(req("a", toks), now=1.0).node == "P2"
+    r2 = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
+    r2.on_state(NodeState("P1", 0.0, "prefill", launched=[PrefillItem("x", 8192, 800_000)]))
+    r2.on_state(NodeState("P2", 0.0, "prefill", launched=[PrefillItem("y", 8192, 800_000)]))
+    # Six seconds later both reports are stale: the tie goes to the node name.
+    assert r2.route(req("a", toks), now=6.0).node == "P1"
+
+
+def test_ties_go_to_the_longest_own_prefix() -> None:
+    r = Router(Directory({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE}, PAGE),
+               RouterConfig(ttft=TTFTConfig(kappa=0.0, fetch_base_s=0.0, fetch_s_per_token=0.0)))
+    hold(r, "P2", FAMILY[:4096])
+    hold(r, "P1", FAMILY[:2048])
+    # Fetch is free and both nodes reach the same 4,096-token prefix: equal T̂; P2 owns more.
+    route = r.route(req("a", FAMILY[:6000]), 0.0)
+    assert route.node == "P2"
+
+
+def test_decode_binding_needs_room_then_prefers_fewest_requests() -> None:
+    r = make()
+    toks = rng.integers(0, 50_000, size=1000, dtype=np.uint32)
+    r.on_state(NodeState("D1", 0.0, "decode", kv_room=500))
+    r.on_state(NodeState("D2", 0.0, "decode", kv_room=100_000))
+    route = r.route(req("a", toks), 0.0)
+    b = r.prefill_started("a", route.node, 0.1)
+    assert b == DecodeBinding("a", "D2", route.node)
+    assert r.prefill_started("a", route.node, 0.1) is None  # bound once
+    r.on_state(NodeState("D1", 0.2, "decode", kv_room=100_000))
+    route = r.route(req("b", toks), 0.2)
+    assert r.prefill_started("b", route.node, 0.3).node == "D1"  # room, and fewer requests
+
+
+def test_refusals_when_no_node_of_a_phase_is_left() -> None:
+    r = make({"P1": Phase.PREFILL, "D1": Phase.DECODE})
+    r.begin_switch("P1", Phase.DECODE)
+    out = r.route(req("a", np.arange(100, dtype=np.uint32)), 0.0)
+    assert isinstance(out, Refusal) and out.phase == "prefill"
+    r2 = make({"P1": Phase.PREFILL, "D1": Phase.DECODE})
+    r2.route(req("a", np.arange(100, dtype=np.uint32)), 0.0)
+    r2.begin_switch("D1", Phase.PREFILL)
+    out = r2.prefill_started("a", "P1", 0.0)
+    assert isinstance(out, Refusal) and out.phase == "decode"
+
+
+def test_drain_moves_queued_requests_and_lets_running_ones_finish() -> None:
+    r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
+    held = hold(r, "P1", FAMILY)
+    load(r, "P2", 40)  # P2 busy: everything goes to P1
+    ids = [f"q{i}" for i in range(5)]
+    for rid in ids:
+        assert r.route(req(rid, rng.integers(0, 50_000, size=3000, dtype=np.uint32)), 0.0).node == "P1"
+    r.prefill_started("q0", "P1", 0.1)
+    r._nodes["P2"].queue = type(r._nodes["P2"].queue)()  # P2 drains its load meanwhile
+    withdraw = r.begin_switch("P1", Phase.DECODE)
+    assert withdraw == ["q1", "q2", "q3", "q4"]
+    assert r.route(req("new", np.arange(500, dtype=np.uint32)), 0.2).node == "P2"
+    for rid in withdraw:
+        assert r.withdrawn(rid, "P1", 0.3).node == "P2"
+    assert not r.drained("P1")
+    r.prefill_done("q0", "P1")
+    assert r.drained("P1")
+    r.switched("P1", Phase.DECODE)
+    # Every request sits in exactly one prefill queue; none was lost or duplicated.
+    queued = {q: n for n in ("P1", "P2") for q in r._nodes[n].queue.requests()}
+    assert sorted(queued) == sorted(["new", "q1", "q2", "q3", "q4"])
+    assert set(queued.values()) == {"P2"}
+    # P1's KV stays readable to every node after its switch.
+    assert r.directory.match(held).own[r.directory.index("P1")] == len(held)
+    assert r.split() == (["P2"], ["D1", "P1"])
+
+
+def test_collocated_nodes_take_their_new_phase_at_once() -> None:
+    r = make({"N1": Phase.COLLOCATED, "N2": Phase.COLLOCATED})
+    route = r.route(req("a", np.arange(300, dtype=np.uint32)), 0.0)
+    assert r.prefill_started("a", route.node, 0.0).node == route.node  # decodes where it prefilled
+    assert r.begin_switch("N1", Phase.PREFILL) == []
+    assert r.phase("N1") is Phase.PREFILL and r.draining("N1") is None
+
+
+def test_a_failure_before_prefill_routes_again() -> None:
+    r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
+    route = r.route(req("a", np.arange(300, dtype=np.uint32)), 0.0)
+    r.node_down(route.node)
+    again = r.failed("a", route.node, started=False, now=0.1)
+    assert isinstance(again, Route) and again.node != route.node
+    assert r.failed("a", again.node, started=True, now=0.2) is None

@@ -270,3 +270,38 @@ class NodeDown(msgspec.Struct, frozen=True, gc=False):
     node: str
     time: float
     reason: str
+
+
+class RequestDone(msgspec.Struct, frozen=True, gc=False):
+    """What the service knows of a request once it is over (metrics and reports read it).
+
+    Times are on the service clock; ``first_token`` and ``prefill_node``/``decode_node`` are
+    None when the request never got that far. ``status`` is ``"ok"`` or the error class.
+    """
+
+    request: str
+    branch: str
+    arrival: float
+    end: float
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    fetched_tokens: int = 0
+    first_token: float | None = None
+    prefill_start: float | None = None
+    prefill_node: str | None = None
+    decode_node: str | None = None
+    error: str = ""
+    reroutes: int = 0
+    finish: str | None = None
+    """``"stop"`` or ``"length"`` for a request that finished."""
+
+
+class SplitChanged(msgspec.Struct, frozen=True, gc=False):
+    """The service started moving to a new split (planner decision or operator)."""
+
+    time: float
+    prefill: list[str]
+    decode: list[str]
+    reason: str

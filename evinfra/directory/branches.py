@@ -253,6 +253,10 @@ class BranchTable:
         self._became_pos[node], self._became_zero[node] = set(), set()
         return HintDelta(sorted(pos), sorted(zero))
 
+    def hinted_nodes(self) -> list[int]:
+        """Nodes with hints waiting to be taken."""
+        return [n for n, (p, z) in enumerate(zip(self._became_pos, self._became_zero)) if p or z]
+
     # -- internals --------------------------------------------------------------------------
 
     def _get(self, branch: BranchId) -> _Branch:

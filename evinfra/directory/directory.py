@@ -108,6 +108,11 @@ class Directory:
     def take_hints(self, node: NodeId) -> HintDelta:
         return self.branches.take_hints(self.index(node))
 
+    def take_all_hints(self) -> list[tuple[NodeId, HintDelta]]:
+        """Every node's waiting hints (nodes without any are left out)."""
+        return [(self.tree.node_name(i), self.branches.take_hints(i))
+                for i in self.branches.hinted_nodes()]
+
     def positive_blocks(self, node: NodeId) -> list[BlockHash]:
         """Every block with ``R[b, n] > 0``: the full hint, for an engine's resync."""
         return sorted(self.branches.counts(self.index(node)))

@@ -57,6 +57,8 @@ class PrefillOrder(msgspec.Struct, frozen=True, gc=False):
     sampling: Sampling
     cached_tokens: int = 0
     branch: str | None = None
+    final: bool = False
+    """The branch ends with this request: nothing will reuse its KV through this branch."""
 
 
 class DecodeOrder(msgspec.Struct, frozen=True, gc=False):
@@ -68,6 +70,7 @@ class DecodeOrder(msgspec.Struct, frozen=True, gc=False):
     path: list[BlockHash]
     sampling: Sampling
     branch: str | None = None
+    final: bool = False
 
 
 @runtime_checkable

@@ -383,15 +383,30 @@ class Planner:
                                 reason=f"keep {self.split.label}: {blocked}")
         else:
             decision = plan([self.models[n] for n in self.nodes], self.split, slices, at=now)
-        start = now
+        # The whole decision (slices, per-slice gains) is served by the status API; the log
+        # line carries what a reader scans for.
+        log.info("planner_decision", at=now, split=decision.split.label,
+                 chosen=decision.chosen.label if decision.chosen else None,
+                 reason=decision.reason,
+                 candidates=[(c.prefill, round(c.mean, 4), round(c.threshold, 4), c.qualified)
+                             for c in decision.candidates])
         if decision.chosen is not None:
-            self.draining = set(decision.chosen.prefill) ^ set(self.split.prefill)
-            self.split = decision.chosen
-            self._last_switch = now
-            start = now + self.config.hold_off
-        self._window = Window(start, self.config.t_win, self.config.m, self._q)
-        log.info("planner_decision", **msgspec.to_builtins(decision))
+            self.switch_to(decision.chosen, now)
+        else:
+            self._window = Window(now, self.config.t_win, self.config.m, self._q)
         return decision
+
+    def switch_to(self, split: Split, now: float) -> None:
+        """``split`` is applied from ``now`` (chosen here, or forced by an operator): its moved
+        nodes drain, and the next window starts after the hold-off."""
+        if sorted(split.prefill + split.decode) != sorted(self.nodes):
+            raise ValueError(f"{split} is not a split of {sorted(self.nodes)}")
+        self.draining = set(split.prefill) ^ set(self.split.prefill)
+        self.split = split
+        self._last_switch = now
+        if self._window is not None:
+            self._window = Window(now + self.config.hold_off, self.config.t_win, self.config.m,
+                                  self._q)
 
     def _remeasure(self, window: Window) -> None:
         """E.3 line 15: new t̄_n, f_n for every model; refit the nodes still unusable."""

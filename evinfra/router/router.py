@@ -111,7 +111,7 @@ class _Req:
 
 class _Node:
     __slots__ = ("name", "idx", "phase", "draining", "healthy", "queue", "state", "t_rem_at",
-                 "decoding", "unadmitted", "running_prefill")
+                 "decoding", "unadmitted", "running_prefill", "last_chosen")
 
     def __init__(self, name: NodeId, idx: int, phase: Phase) -> None:
         self.name = name
@@ -125,6 +125,7 @@ class _Node:
         self.decoding: set[RequestId] = set()
         self.unadmitted: dict[RequestId, int] = {}
         self.running_prefill: set[RequestId] = set()
+        self.last_chosen = 0  # the router's route count when it last chose this node
 
 
 class Router:
@@ -138,6 +139,7 @@ class Router:
         p = config.prior
         self._prior = (p.c0, p.c1, p.c2, p.c3)
         self._coef: dict[NodeId, tuple[float, float, float, float]] = {}
+        self._routed = 0
 
     # -- models and node state ------------------------------------------------------------
 
@@ -198,6 +200,8 @@ class Router:
         match = self.directory.match(r.path.hashes)
         best = self._choose(r, nodes, match, now)
         n = self._nodes[best.node]
+        self._routed += 1
+        n.last_chosen = self._routed
         n.queue.add(r.id, best.t_uc, best.t_c, best.t_rst)
         r.prefill = n.name
         r.started = r.done = False
@@ -209,7 +213,7 @@ class Router:
         cap = r.t_in - 1  # at least one input token is computed
         union = min(match.union * page, cap)
         cfg = self.config.ttft
-        best_key: tuple[float, int, str] | None = None
+        best_key: tuple[float, int, int, str] | None = None
         best_args: tuple = ()
         for n in nodes:
             own = min(match.own[n.idx] * page, cap)
@@ -222,8 +226,10 @@ class Router:
             t_rem = self._t_rem(n, now)
             t_hat, _ = estimate(n.queue, self.coefficients(n.name), t_rem, r.t_in - t_c, t_c,
                                 t_rst, x, cfg)
-            # Smaller T̂; a tie goes to the longer own prefix, then to the node name.
-            key = (round(t_hat, 9), -own, n.name)
+            # Smaller T̂; a tie goes to the longer own prefix (E.3 line 11), then to the node
+            # that was chosen least recently, so idle nodes share the work (and every node
+            # sees the warm-up traffic its fit needs).
+            key = (round(t_hat, 9), -own, n.last_chosen, n.name)
             if best_key is None or key < best_key:
                 best_key = key
                 best_args = (n, t_rem, r.t_in - t_c, t_c, t_rst, x, own)

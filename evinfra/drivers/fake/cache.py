@@ -1,0 +1,507 @@
+"""One node's KV: L1 (GPU) and L2 (host) as a radix tree of block segments (paper 4.2, 5.3).
+
+A *segment* is a run of consecutive blocks of one path that share everything the cache tracks:
+tier flags, pins and last access. The tree is SGLang's radix cache in blocks, which is what
+keeps a request cheap: matching a prefix is a binary search on block membership, pinning,
+touching and unpinning walk the segments of a path (a few dozen for a long agent branch), and
+only blocks that actually move (stored, restored, evicted) cost Python work — the same blocks
+the KV events must list anyway. A dict of blocks would touch all ~1,600 blocks of a 100K
+context several times per request.
+
+Invariants (``check_invariants``):
+
+* each tier is prefix-closed: a block in L1 (L2) has its parent block in L1 (L2), because
+  eviction only takes leaves. The longest cached prefix is therefore a binary search;
+* write-through: blocks enter L2 together with L1 unless L2 has no room (then they are
+  L1-only, and L1 eviction drops them);
+* L1 eviction is LRU over unpinned L1 leaves, deeper first on ties (a touched path gets one
+  time, so leaves go before their prefix, like SGLang's leaf-first eviction); it drops the GPU
+  copy only;
+* L2 eviction takes blocks held only in L2, unpinned, leaves first, in the host order
+  (:class:`~evinfra.directory.eviction.HostEvictionOrder`: zero-count first from the pushed
+  hints, or plain LRU). The order holds exactly the blocks of unpinned L2-only segments.
+
+Every store and removal is reported through ``emit`` as SGLang KV events.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from evinfra.core.events import BlockRemoved, BlockStored, KVEvent
+from evinfra.core.types import BlockHash, Tier
+from evinfra.directory.branches import HintDelta
+from evinfra.directory.eviction import HostEvictionOrder
+
+__all__ = ["InsertResult", "NodeCache"]
+
+_GPU, _CPU = Tier.L1.medium, Tier.L2.medium
+
+
+class _Seg:
+    __slots__ = ("hashes", "depth", "parent", "children", "l1", "l2", "lock", "access", "l1_kids")
+
+    def __init__(self, hashes: list[BlockHash], depth: int, parent: _Seg | None, l1: bool,
+                 l2: bool, lock: int, access: float) -> None:
+        self.hashes = hashes
+        self.depth = depth  # index of the first block in every path through this segment
+        self.parent = parent
+        self.children: dict[BlockHash, _Seg] = {}  # by first block
+        self.l1 = l1
+        self.l2 = l2
+        self.lock = lock  # requests pinning it (pins cover whole path prefixes)
+        self.access = access
+        self.l1_kids = 0  # children held in L1
+
+
+class InsertResult(NamedTuple):
+    resident: int
+    """Leading blocks of the path in L1 afterwards."""
+    restored: int
+    """Blocks loaded from this node's L2 into L1."""
+    added: int
+    """Blocks new to this node."""
+
+
+class NodeCache:
+    """L1 and L2 of one node. Sizes in tokens; ``reserved`` is GPU KV of running requests that
+    is not in the tree yet (partial pages, chunks being computed, decode outputs)."""
+
+    def __init__(self, page_size: int, l1_tokens: int, l2_tokens: int, count_aware: bool,
+                 emit: Callable[[KVEvent], None]) -> None:
+        self.page = page_size
+        self.l1_capacity = l1_tokens
+        self.l2_capacity = l2_tokens
+        self._count_aware = count_aware
+        self._emit = emit
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything without events (the node is gone)."""
+        self.order = HostEvictionOrder(self._count_aware)
+        self.reserved = 0
+        self.l1_blocks = 0
+        self.l2_blocks = 0
+        self.locked_l1 = 0
+        self._root = _Seg([], 0, None, True, True, 1, 0.0)
+        self._seg_of: dict[BlockHash, _Seg] = {}
+        self._heap: list[tuple[float, int, int, _Seg]] = []
+        self._seq = itertools.count()
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def l1_used(self) -> int:
+        return self.l1_blocks * self.page + self.reserved
+
+    @property
+    def l2_used(self) -> int:
+        return self.l2_blocks * self.page
+
+    @property
+    def free(self) -> int:
+        """GPU tokens free now."""
+        return self.l1_capacity - self.l1_used
+
+    @property
+    def kv_room(self) -> int:
+        """GPU tokens a new request could get: free plus unpinned (evictable) L1."""
+        return self.free + (self.l1_blocks - self.locked_l1) * self.page
+
+    def make_room(self, tokens: int) -> bool:
+        """Evict unpinned L1 blocks until ``tokens`` are free; False if pins prevent it."""
+        short = tokens - self.free
+        if short > 0:
+            self._evict_l1(-(-short // self.page))
+        return self.free >= tokens
+
+    def reserve(self, tokens: int) -> bool:
+        if not self.make_room(tokens):
+            return False
+        self.reserved += tokens
+        return True
+
+    def release(self, tokens: int) -> None:
+        self.reserved -= tokens
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def prefix(self, path: Sequence[BlockHash], limit: int | None = None) -> int:
+        """Longest prefix of ``path[:limit]`` held in any tier (a binary search: prefix-closed)."""
+        n = len(path) if limit is None else min(limit, len(path))
+        held = self._seg_of
+        if n == 0 or path[0] not in held:
+            return 0
+        if path[n - 1] in held:
+            return n
+        lo, hi = 1, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if path[mid - 1] in held:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def tier_prefix(self, path: Sequence[BlockHash], k: int, tier: Tier) -> int:
+        """Longest prefix of ``path[:k]`` in ``tier``, where ``path[:k]`` is held."""
+        if k == 0:
+            return 0
+        seg = self._seg_of[path[k - 1]]
+        in_l1 = tier is Tier.L1
+        res = k
+        while seg is not self._root and not (seg.l1 if in_l1 else seg.l2):
+            res = seg.depth
+            seg = seg.parent
+        return res
+
+    def l1_prefix(self, path: Sequence[BlockHash]) -> int:
+        return self.tier_prefix(path, self.prefix(path), Tier.L1)
+
+    def l2_prefix(self, path: Sequence[BlockHash]) -> int:
+        return self.tier_prefix(path, self.prefix(path), Tier.L2)
+
+    # -- pins -------------------------------------------------------------------------------
+
+    def lock(self, path: Sequence[BlockHash], n: int, now: float) -> None:
+        """Pin ``path[:n]`` (held) and touch it."""
+        self._lock_up(self._boundary(path, n), 0, now)
+
+    def extend_lock(self, path: Sequence[BlockHash], old: int, new: int, now: float) -> None:
+        """Grow a pin of ``path[:old]`` to ``path[:new]``: only the new segments are walked."""
+        if new > old:
+            self._lock_up(self._boundary(path, new), old, now)
+
+    def unlock(self, path: Sequence[BlockHash], n: int, now: float) -> None:
+        """Release a pin of ``path[:n]`` and touch it. Segments the pin no longer tells apart
+        merge, so a branch's chunks and turns do not deepen the tree forever."""
+        seg, below, root = self._boundary(path, n), None, self._root
+        while seg is not root:
+            seg.lock -= 1
+            seg.access = now
+            if seg.lock == 0:
+                if seg.l1:
+                    self.locked_l1 -= len(seg.hashes)
+                    self._push(seg)
+                else:
+                    self._order_add(seg)
+            if (below is not None and len(seg.children) == 1 and below.lock == seg.lock
+                    and below.l1 == seg.l1 and below.l2 == seg.l2):
+                seg = self._merge(seg, below)
+            below, seg = seg, seg.parent
+
+    def _lock_up(self, seg: _Seg, stop_depth: int, now: float) -> None:
+        root = self._root
+        while seg is not root and seg.depth >= stop_depth:
+            if seg.lock == 0:
+                if seg.l1:
+                    self.locked_l1 += len(seg.hashes)
+                else:
+                    self._order_remove(seg)
+            seg.lock += 1
+            seg.access = now
+            seg = seg.parent
+
+    # -- stores -----------------------------------------------------------------------------
+
+    def insert(self, path: Sequence[BlockHash], n: int, tokens: np.ndarray,
+               now: float) -> InsertResult:
+        """Make ``path[:n]`` resident in L1, written through to L2, evicting as needed.
+
+        Held L2-only blocks are restored, new blocks stored (``tokens`` are the path's token
+        ids, for the events). Blocks that find no L1 room are left out, from the end.
+        """
+        page = self.page
+        k = self.prefix(path, n)
+        self.lock(path, k, now)  # room-making must not evict the chain we extend
+        l1p = self.tier_prefix(path, k, Tier.L1)
+        stop1 = l1p + self._room_l1(n - l1p)
+        l2p = self.tier_prefix(path, k, Tier.L2)
+        stop2 = l2p + self._room_l2(stop1 - l2p)
+        for seg in self._range(path, l1p, min(k, stop1)):
+            seg.l1 = True
+            self.l1_blocks += len(seg.hashes)
+            self.locked_l1 += len(seg.hashes)
+            seg.parent.l1_kids += 1
+        for seg in self._range(path, l2p, min(k, stop2)):
+            seg.l2 = True
+            self.l2_blocks += len(seg.hashes)
+        if stop1 > k:
+            parent = self._boundary(path, k)
+            if stop2 > k:
+                parent = self._new(parent, list(path[k:stop2]), k, True, now)
+            if stop1 > max(k, stop2):
+                self._new(parent, list(path[max(k, stop2):stop1]), max(k, stop2), False, now)
+        # Token ids are most of an event's cost: convert the union of both ranges once, and
+        # let the two events share it when their ranges agree (events are immutable).
+        lo, hi = min(l1p, l2p), max(stop1, stop2)
+        ids = tokens[lo * page:hi * page].tolist() if hi > lo else []
+        for a, b, medium in ((l1p, stop1, _GPU), (l2p, stop2, _CPU)):
+            if b > a:
+                part = ids if (a, b) == (lo, hi) else ids[(a - lo) * page:(b - lo) * page]
+                self._emit(BlockStored(list(path[a:b]), path[a - 1] if a else None, part, page,
+                                       medium=medium))
+        self.unlock(path, k, now)
+        return InsertResult(stop1, max(0, min(k, stop1) - l1p), max(0, stop1 - k))
+
+    def _new(self, parent: _Seg, hashes: list[BlockHash], depth: int, l2: bool,
+             now: float) -> _Seg:
+        seg = _Seg(hashes, depth, parent, True, l2, 0, now)
+        parent.children[hashes[0]] = seg
+        parent.l1_kids += 1
+        held = self._seg_of
+        for h in hashes:
+            held[h] = seg
+        self.l1_blocks += len(hashes)
+        if l2:
+            self.l2_blocks += len(hashes)
+        self._push(seg)
+        return seg
+
+    def _range(self, path: Sequence[BlockHash], a: int, b: int) -> list[_Seg]:
+        """The segments covering ``path[a:b]`` (held), split at both ends."""
+        if b <= a:
+            return []
+        self._boundary(path, a)
+        seg, out = self._boundary(path, b), []
+        while seg.depth >= a and seg is not self._root:
+            out.append(seg)
+            seg = seg.parent
+        return out
+
+    # -- hints ------------------------------------------------------------------------------
+
+    def apply_hints(self, delta: HintDelta) -> None:
+        """Regroup host blocks whose count crossed zero. A regrouped batch joins its group as
+        its newest entries; ordering it LRU and leaves first keeps eviction leaf-first."""
+        self.order.apply_hints(HintDelta(self._leaf_first(delta.positive),
+                                         self._leaf_first(delta.zero)))
+
+    def _leaf_first(self, blocks: list[BlockHash]) -> list[BlockHash]:
+        mine: dict[_Seg, set[BlockHash]] = {}
+        rest = []
+        for h in blocks:
+            if h in self.order:
+                mine.setdefault(self._seg_of[h], set()).add(h)
+            else:
+                rest.append(h)
+        out: list[BlockHash] = []
+        for seg in sorted(mine, key=lambda s: (s.access, -s.depth)):
+            chosen = mine[seg]
+            out.extend(h for h in reversed(seg.hashes) if h in chosen)
+        return out + rest
+
+    # -- eviction ---------------------------------------------------------------------------
+
+    def _room_l1(self, blocks: int) -> int:
+        """How many of ``blocks`` new L1 blocks fit, after evicting what may be evicted."""
+        if blocks <= 0:
+            return 0
+        self.make_room(blocks * self.page)
+        return max(0, min(blocks, self.free // self.page))
+
+    def _room_l2(self, blocks: int) -> int:
+        if blocks <= 0:
+            return 0
+        short = blocks - (self.l2_capacity // self.page - self.l2_blocks)
+        if short > 0:
+            self._evict_l2(short)
+        return max(0, min(blocks, self.l2_capacity // self.page - self.l2_blocks))
+
+    def _push(self, seg: _Seg) -> None:
+        """Offer ``seg`` to L1 eviction if it is an unpinned L1 leaf. Entries are checked when
+        popped (lazy deletion): a changed access time, depth or state voids them."""
+        if seg.l1 and not seg.lock and not seg.l1_kids:
+            heapq.heappush(self._heap, (seg.access, -seg.depth, next(self._seq), seg))
+            if len(self._heap) > 2 * self.l1_blocks + 1024:
+                self._heap[:] = [e for e in self._heap if self._live(e)]  # in place: callers
+                heapq.heapify(self._heap)                                 # may hold the list
+
+    @staticmethod
+    def _live(entry: tuple[float, int, int, _Seg]) -> bool:
+        access, neg_depth, _, seg = entry
+        return (seg.l1 and not seg.lock and not seg.l1_kids and seg.access == access
+                and seg.depth == -neg_depth)
+
+    def _evict_l1(self, blocks: int) -> None:
+        removed: list[BlockHash] = []
+        heap = self._heap
+        while blocks > 0 and heap:
+            entry = heapq.heappop(heap)
+            if not self._live(entry):
+                continue
+            seg = entry[3]
+            if len(seg.hashes) > blocks:  # take the tail only
+                seg = self._split(seg, len(seg.hashes) - blocks)[1]
+            blocks -= len(seg.hashes)
+            removed.extend(seg.hashes)
+            self._drop_l1(seg)
+        if removed:
+            self._emit(BlockRemoved(removed, medium=_GPU))
+
+    def _drop_l1(self, seg: _Seg) -> None:
+        seg.l1 = False
+        self.l1_blocks -= len(seg.hashes)
+        parent = seg.parent
+        parent.l1_kids -= 1
+        if parent is not self._root:
+            self._push(parent)
+        if seg.l2:
+            self._order_add(seg)
+        else:  # its write-through found no room: held nowhere now (a leaf, by L2 closure)
+            del parent.children[seg.hashes[0]]
+            for h in seg.hashes:
+                del self._seg_of[h]
+
+    def _evict_l2(self, blocks: int) -> None:
+        """Free ``blocks`` host blocks in the host order, leaves first.
+
+        A pass walks the order and takes each block that is the tail of a childless segment
+        once the blocks after it are taken. It stops at the first block it cannot take yet:
+        that block is older (or zero-count) and may become a leaf when this pass's victims
+        go, so everything after it waits for the next pass."""
+        held, order, removed = self._seg_of, self.order, []
+        while len(removed) < blocks:
+            taken: dict[_Seg, int] = {}
+            batch = []
+            for h in order.victims():
+                seg = held[h]
+                t = taken.get(seg, 0)
+                if seg.children or seg.hashes[-1 - t] != h:
+                    if batch:
+                        break
+                    continue
+                taken[seg] = t + 1
+                batch.append(h)
+                if len(removed) + len(batch) >= blocks:
+                    break
+            if not batch:
+                break
+            for h in batch:
+                seg = held.pop(h)
+                seg.hashes.pop()
+                order.remove(h)
+                if not seg.hashes:
+                    del seg.parent.children[h]
+            self.l2_blocks -= len(batch)
+            removed.extend(batch)
+        if removed:
+            self._emit(BlockRemoved(removed, medium=_CPU))
+
+    def _order_add(self, seg: _Seg) -> None:
+        touch = self.order.touch
+        for h in reversed(seg.hashes):  # deepest first: leaves are evicted before their prefix
+            touch(h)
+
+    def _order_remove(self, seg: _Seg) -> None:
+        remove = self.order.remove
+        for h in seg.hashes:
+            remove(h)
+
+    # -- tree surgery -----------------------------------------------------------------------
+
+    def _boundary(self, path: Sequence[BlockHash], k: int) -> _Seg:
+        """The segment ending exactly at ``path[k - 1]`` (held), splitting one if needed."""
+        if k == 0:
+            return self._root
+        seg = self._seg_of[path[k - 1]]
+        cut = k - seg.depth
+        if cut < len(seg.hashes):
+            seg = self._split(seg, cut)[0]
+        return seg
+
+    def _merge(self, head: _Seg, tail: _Seg) -> _Seg:
+        """Join ``tail``, the only child of ``head``, into one segment (same flags, pins and
+        access); the object with more blocks survives, so only the other's are re-pointed."""
+        held = self._seg_of
+        if len(tail.hashes) <= len(head.hashes):
+            keep, gone = head, tail
+            for h in tail.hashes:
+                held[h] = head
+            head.hashes += tail.hashes
+            head.children = tail.children
+        else:
+            keep, gone = tail, head
+            for h in head.hashes:
+                held[h] = tail
+            tail.hashes = head.hashes + tail.hashes
+            tail.depth, tail.parent = head.depth, head.parent
+            head.parent.children[tail.hashes[0]] = tail
+        for child in keep.children.values():
+            child.parent = keep
+        keep.l1_kids = tail.l1_kids
+        gone.l1 = gone.l2 = False  # voids its heap entries
+        self._push(keep)
+        return keep
+
+    def _split(self, seg: _Seg, p: int) -> tuple[_Seg, _Seg]:
+        """Split ``seg`` after its ``p``-th block; the smaller half becomes the new object, so
+        only its blocks are re-pointed."""
+        hashes, kids = seg.hashes, seg.l1_kids
+        new = _Seg([], 0, None, seg.l1, seg.l2, seg.lock, seg.access)
+        if p <= len(hashes) - p:
+            head, tail = new, seg
+            head.depth, head.parent = seg.depth, seg.parent
+            seg.parent.children[hashes[0]] = head
+        else:
+            head, tail = seg, new
+            tail.children = seg.children
+            for child in tail.children.values():
+                child.parent = tail
+        head.hashes, tail.hashes = hashes[:p], hashes[p:]
+        tail.depth, tail.parent = head.depth + p, head
+        head.children = {tail.hashes[0]: tail}
+        tail.l1_kids, head.l1_kids = kids, int(tail.l1)
+        held = self._seg_of
+        for h in new.hashes:
+            held[h] = new
+        self._push(tail)
+        return head, tail
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def blocks(self, tier: Tier) -> set[BlockHash]:
+        """Every block held in ``tier`` (tests and status; O(blocks))."""
+        in_l1 = tier is Tier.L1
+        return {h for h, seg in self._seg_of.items() if (seg.l1 if in_l1 else seg.l2)}
+
+    def check_invariants(self) -> None:
+        """Assert the tree, the counters and the host order agree (for tests)."""
+        l1 = l2 = locked = blocks = 0
+        host: set[BlockHash] = set()
+        candidates: set[int] = set()
+        stack = [self._root]
+        while stack:
+            seg = stack.pop()
+            for key, child in seg.children.items():
+                assert child.hashes and child.hashes[0] == key and child.parent is seg
+                assert child.depth == seg.depth + len(seg.hashes)
+                assert child.l1 or child.l2, "segment held nowhere"
+                assert seg.l1 or not child.l1, "L1 not prefix-closed"
+                assert seg.l2 or not child.l2, "L2 not prefix-closed"
+                assert 0 <= child.lock and (seg is self._root or child.lock <= seg.lock), \
+                    "a pin must cover a whole prefix"
+                stack.append(child)
+            assert seg.l1_kids == sum(c.l1 for c in seg.children.values())
+            if seg is self._root:
+                continue
+            assert all(self._seg_of[h] is seg for h in seg.hashes)
+            n = len(seg.hashes)
+            blocks += n
+            l1 += n * seg.l1
+            l2 += n * seg.l2
+            locked += n * (seg.l1 and seg.lock > 0)
+            if seg.l2 and not seg.l1 and not seg.lock:
+                host.update(seg.hashes)
+            if seg.l1 and not seg.lock and not seg.l1_kids:
+                candidates.add(id(seg))
+        assert (l1, l2, locked) == (self.l1_blocks, self.l2_blocks, self.locked_l1)
+        assert len(self._seg_of) == blocks, "a held block outside the tree"
+        assert len(self.order) == len(host) and all(h in self.order for h in host)
+        assert candidates <= {id(e[3]) for e in self._heap if self._live(e)}, "lost L1 leaf"
+        assert 0 <= self.reserved and self.l1_used <= self.l1_capacity
+        assert self.l2_used <= self.l2_capacity

@@ -1,0 +1,103 @@
+"""The fake engine's configuration: its hardware, its ground-truth timing and its faults.
+
+Every default names its source. The timing coefficients are the engine's secret: they shape
+the simulated GB300/GLM-5.2 node, and the control plane must learn them from the
+``IterationReport``s the engine publishes, as it would on real hardware (paper 5.1).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from evinfra.core.types import NonNegFloat, PosFloat, PosInt
+
+__all__ = ["FakeEngineConfig"]
+
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+class FakeEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One fake node. All sizes in tokens, all times in seconds."""
+
+    # -- memory (paper D.5, E.3) -----------------------------------------------------------
+    page_size: PosInt = 64
+    """Tokens per KV block: SGLang HiCache's ``--page-size 64`` (the directory's page size)."""
+    chunk_tokens: PosInt = 8192
+    """Chunked-prefill token budget per iteration (E.3 "Parameters of our runs")."""
+    l1_tokens: PosInt = 2_060_000
+    """GPU KV capacity of a node (D.5: 2.06 million tokens)."""
+    l2_tokens: PosInt = 8_250_000
+    """Host KV capacity of a node, one deduplicated copy (D.5: 8.25 million tokens, A.5)."""
+
+    # -- ground-truth prefill time, Eq. 1 (shaped like Fig. 5a-c: 8K new after 128K ~0.3 s) --
+    c0: NonNegFloat = 0.02
+    """Fixed cost of a prefill iteration (kernel launches)."""
+    c1: NonNegFloat = 2e-5
+    """Seconds per uncached token (linear layers)."""
+    c2: NonNegFloat = 1e-10
+    """Seconds per query-key pair (attention)."""
+    c3: NonNegFloat = 2e-7
+    """Seconds per token restored from host memory (the remaining host-to-GPU copy)."""
+
+    # -- ground-truth decode time, Eq. 2 (Fig. 5d: 17-45 ms for 8-64 running requests) -----
+    d0: NonNegFloat = 0.008
+    """Fixed cost of a decode iteration (dense weights)."""
+    d1: NonNegFloat = 0.014
+    """Time to read all routed experts (B.3)."""
+    d2: NonNegFloat = 0.00036
+    """Seconds per running request (sampling, drafting)."""
+    d_ctx: NonNegFloat = 1e-9
+    """Seconds per running context token: B.4, one million more tokens add about 1 ms. Eq. 2
+    omits it, so the planner's fit sees it as model error, as on the real nodes."""
+    k_over_e: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 8 / 256
+    """Routed experts per token over routed experts, k/E of phi (B.3; GLM-5.2: 8 of 256)."""
+    t_fwd: PosInt = 2
+    """Tokens each request feeds a decode iteration: one MTP draft token plus one (5.1)."""
+    t_acc: PosFloat = 1.8
+    """Tokens a decode iteration advances each request by on average (MTP acceptance)."""
+    noise: NonNegFloat = 0.0
+    """Relative standard deviation of iteration times (Fig. 5c: 4-6 % model error)."""
+
+    # -- data plane (paper 4.2, D.6) --------------------------------------------------------
+    fetch_latency: NonNegFloat = 0.002
+    """Fixed cost of a peer fetch (D.6: "a small fixed latency")."""
+    fetch_s_per_token: NonNegFloat = 54.6e3 / 52e9
+    """Peer host-to-host RDMA: 54.6 KB of KV per token at about 52 GB/s (D.6)."""
+    pd_s_per_token: NonNegFloat = 54.6e3 / 208e9
+    """Prefill-to-decode GPU-to-GPU transfer. 4.2 calls it faster than the host pool but
+    gives no rate: we assume the four GPUs' NICs each carry the 52 GB/s of D.6."""
+    switch_latency: NonNegFloat = 0.7
+    """Phase switch once the running requests finish (paper 3, Fig. 3a: 0.7 s)."""
+
+    # -- behaviour --------------------------------------------------------------------------
+    heartbeat_s: PosFloat = 1.0
+    """NodeState period while idle; the router ignores state older than 5 s (E.3)."""
+    streaming: Literal["iteration", "batched"] = "iteration"
+    """``iteration``: one TokensOut per decode iteration (serve). ``batched``: the engine wakes
+    only when its state changes and streams the first token and the rest (simulation)."""
+    eviction: Literal["count", "lru"] = "count"
+    """Host eviction: ``(1[R > 0], T_b)`` from the pushed hints (5.3) or plain HiCache LRU
+    (the baselines)."""
+    output_vocab: tuple[int, int] = (32, 127)
+    """Output token ids are drawn from ``[low, high)``: printable bytes, so the built-in
+    byte-level tokenizer of the fake default decodes them to text."""
+
+    # -- KV event faults, for tests (the directory must tolerate them) ----------------------
+    kv_drop: Probability = 0.0
+    """Probability that a KV event batch is lost (its sequence number is skipped)."""
+    kv_duplicate: Probability = 0.0
+    """Probability that a KV event batch is delivered twice."""
+    kv_reorder: Probability = 0.0
+    """Probability that a KV event batch is delivered after the next one."""
+
+    def __post_init__(self) -> None:
+        low, high = self.output_vocab
+        if not 0 <= low < high <= 2**32:
+            raise ValueError(f"output_vocab must be 0 <= low < high <= 2**32, got {low, high}")
+        if self.t_acc > self.t_fwd:
+            raise ValueError(f"t_acc ({self.t_acc}) cannot exceed the t_fwd ({self.t_fwd}) tokens "
+                             "a request feeds an iteration")
+        if self.l1_tokens < self.page_size:
+            raise ValueError("l1_tokens must hold at least one page")

@@ -1,0 +1,229 @@
+"""The decode side of the fake engine: binding, P->D transfer, batching, streaming (paper
+4.2, 5.1, D.1, Fig. 4d).
+
+A decode order fixes the request's output and waits for its source to finish the prefill.
+Then, FCFS as GPU room allows (no reservation before, paper D.1), the blocks this node's GPU
+lacks move from the source, and the request joins the batch at the next iteration boundary
+with its first token. Iterations with an unchanged batch form a :class:`Run`; ``batched``
+streaming sleeps through a run and reports it once (``IterationReport.count``).
+
+A mixin of :class:`~evinfra.drivers.fake.engine.FakeEngine` (see ``prefill.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import structlog
+
+from evinfra.core.events import IterationReport, RequestFailed, TokensOut
+from evinfra.core.types import RequestId
+from evinfra.drivers.base import DecodeOrder
+from evinfra.drivers.fake.outputs import plan_output
+from evinfra.drivers.fake.records import DecodeRecord, DecodeState, Run
+
+__all__ = ["DecodeSide"]
+
+log = structlog.get_logger(__name__)
+
+_W = DecodeState
+
+
+class DecodeSide:
+    """Decode orders, transfers and runs of one engine."""
+
+    def _submit_decode(self, order: DecodeOrder) -> None:
+        now = self.clock.now()
+        if order.request in self._decodes:
+            log.warning("fake_engine_duplicate_order", node=self.node, request=order.request)
+            return
+        out, finish = plan_output(self.seed, order.request, order.sampling,
+                                  self.config.output_vocab)
+        d = DecodeRecord(order, self.config.page_size, out, finish)
+        status = self.cluster.bind(d.request, d.source, self.node)
+        if status is None:
+            self._out.append(RequestFailed(d.request, self.node, now,
+                                           f"KV source {d.source} does not hold the request",
+                                           True))
+            return
+        self._decodes[d.request] = d
+        if status == "done":
+            d.state = _W.WAIT_ROOM
+            self._room_wait.append(d)
+        self._kick()
+
+    def _source_ready(self, request: RequestId) -> None:
+        d = self._decodes.get(request)
+        if d is not None and d.state is _W.WAIT_KV:
+            d.state = _W.WAIT_ROOM
+            self._room_wait.append(d)
+            self._kick()
+
+    def _admit_decodes(self, now: float) -> None:
+        """Start the transfers (FCFS) of requests whose KV is ready, as GPU room allows: the
+        decode node reserves only now, after the prefill (paper D.1)."""
+        while self._room_wait:
+            d = self._room_wait[0]
+            if d.source == self.node:
+                need, ok = len(d.out), self._take_over(d, now)
+            else:
+                need, ok = self._start_transfer(d, now)
+            if need > self.cache.l1_capacity:
+                self._forget(d.request, True)
+                self._out.append(RequestFailed(d.request, self.node, now,
+                                               "request exceeds the node's KV capacity", True))
+                continue
+            if not ok:
+                return
+            self._room_wait.pop(0)
+
+    def _take_over(self, d: DecodeRecord, now: float) -> bool:
+        """Same node: the prefill record's pins and partial page pass to the decode record."""
+        c, need = self.cache, len(d.out)
+        if need > c.l1_capacity or need > c.kv_room or not c.reserve(need):
+            return False
+        rec = self._handoff.pop(d.request)
+        del self._prefills[d.request]
+        d.locked, d.reserved = rec.locked, rec.reserved + len(d.out)
+        rec.locked = rec.reserved = 0
+        self._ready_to_join(d)
+        return True
+
+    def _start_transfer(self, d: DecodeRecord, now: float) -> tuple[int, bool]:
+        """P->D: only the blocks missing from this node's GPU move (Fig. 4d). A decode node
+        never loads its own host copies: that would stall its batch (D.6)."""
+        c, page = self.cache, self.config.page_size
+        k1 = c.l1_prefix(d.path)
+        moved = d.n_in - k1 * page
+        need = moved + len(d.out)
+        if need > c.l1_capacity or need > c.kv_room or not c.reserve(need):
+            return need, False
+        c.lock(d.path, k1, now)
+        d.locked, d.reserved, d.state = k1, need, _W.TRANSFER
+        d.timer = self._at(now + moved * self.config.pd_s_per_token, self._transfer_done, d)
+        return need, True
+
+    def _transfer_done(self, d: DecodeRecord) -> None:
+        now, page, c = self.clock.now(), self.config.page_size, self.cache
+        self.cluster.transfer_done(d.request, d.source)
+        n = len(d.path)
+        freed = (n - d.locked) * page
+        c.release(freed)
+        d.reserved -= freed
+        res = c.insert(d.path, n, d.tokens, now)
+        c.extend_lock(d.path, d.locked, res.resident, now)
+        d.locked, d.timer = res.resident, None
+        self._ready_to_join(d)
+        self._kick()
+
+    def _ready_to_join(self, d: DecodeRecord) -> None:
+        d.state = _W.READY
+        self._ready.append(d)
+        self._dirty = True
+
+    def _join(self, now: float) -> None:
+        """Ready requests join the batch; each streams its first token now (TTFT)."""
+        joined, self._ready = self._ready, []
+        for d in joined:
+            d.state = _W.RUNNING
+            self._running.append(d)
+            self._batch_changed = True
+            if len(d.out) == 1:
+                self._finish(d, now)
+            else:
+                d.emitted = 1
+                self._out.append(TokensOut(d.request, self.node, now, d.out[:1]))
+
+    def _launch_decode(self, now: float) -> None:
+        run, batched = self._run, self.config.streaming == "batched"
+        # The same batch right at the boundary the run planned continues it (same floats);
+        # anything else starts a new run here.
+        if (run is None or self._batch_changed or self.config.noise
+                or run.start + run.done * run.d != now):
+            ctx = sum(d.n_in for d in self._running)
+            run = self._run = Run(now, self.truth.decode(len(self._running), ctx),
+                                  list(self._running))
+        if batched:
+            left = self._progress.iterations_left
+            run.planned = run.done + min(left(d.iters, len(d.out)) for d in run.batch)
+        else:
+            run.planned = run.done + 1
+        self._busy, self._was_busy = "decode", True
+        self._batch_changed = self._dirty = False
+        self._timer = self._at(run.start + run.planned * run.d, self._end_decode)
+        self._state(now)
+
+    def _interrupt(self) -> None:
+        """Cut a batched run at the first iteration boundary at or after now."""
+        run, now = self._run, self.clock.now()
+        self._dirty = False
+        if self.config.streaming != "batched" or run is None or run.d <= 0:
+            return
+        i = max(run.done + 1, int((now - run.start) / run.d))
+        while run.start + i * run.d < now:
+            i += 1
+        while i - 1 > run.done and run.start + (i - 1) * run.d >= now:
+            i -= 1
+        if i < run.planned:
+            self._timer.cancel()
+            run.planned = i
+            self._timer = self._at(run.start + i * run.d, self._end_decode)
+
+    def _end_decode(self) -> None:
+        now, run, produced = self.clock.now(), self._run, self._progress.produced
+        k = run.planned - run.done
+        stream = self.config.streaming == "iteration"
+        accepted, finished = 0, []
+        for d in run.batch:
+            n = len(d.out)
+            before = produced(d.iters, n)
+            d.iters += k
+            after = produced(d.iters, n)
+            accepted += after - before
+            if after >= n:
+                finished.append(d)
+            elif stream and after > d.emitted:
+                self._out.append(TokensOut(d.request, self.node, now, d.out[d.emitted:after]))
+                d.emitted = after
+        self._out.append(IterationReport(self.node, run.start + run.done * run.d, run.d,
+                                         batch=run.B, t_fwd=self.config.t_fwd,
+                                         accepted=accepted, count=k))
+        run.done = run.planned
+        for d in finished:
+            self._finish(d, now)
+        self._busy = None
+        self._schedule()
+
+    def _finish(self, d: DecodeRecord, now: float) -> None:
+        """The request ends; the full pages of its input and output (all but the last token,
+        which has no KV yet) are written through: the branch's next prefix."""
+        c = self.cache
+        self._running.remove(d)
+        if self._run is not None and d in self._run.batch:
+            self._run.batch.remove(d)
+        del self._decodes[d.request]
+        self._batch_changed = True
+        committed = np.concatenate([d.tokens, np.asarray(d.out[:-1], dtype=np.uint32)])
+        pages = self.cluster.pages.hashes(d.path, committed)
+        c.release(d.reserved)
+        if pages:
+            full = d.path + pages
+            c.insert(full, len(full), committed, now)
+        c.unlock(d.path, d.locked, now)
+        d.locked = d.reserved = 0
+        self._out.append(TokensOut(d.request, self.node, now, d.out[d.emitted:], d.finish))
+        self.cluster.forget(d.request)
+        self._room_freed()
+
+    def _drop_decode(self, d: DecodeRecord) -> None:
+        for queue in (self._room_wait, self._ready, self._running):
+            if d in queue:
+                queue.remove(d)
+        if self._run is not None and d in self._run.batch:
+            self._run.batch.remove(d)
+        if d.state is _W.RUNNING:
+            self._batch_changed = self._dirty = True
+        if d.timer is not None:
+            d.timer.cancel()
+        self.cache.unlock(d.path, d.locked, self.clock.now())
+        self.cache.release(d.reserved)
+        d.locked = d.reserved = 0

@@ -1,0 +1,58 @@
+"""What a fake request generates, and when: deterministic from (seed, request id).
+
+A request's output is fixed when its decode order arrives: the token ids, drawn from the
+configured vocabulary, and the finish. With ``ignore_eos`` it runs to ``max_tokens``
+("length"); otherwise it stops at a natural length drawn uniformly from ``1..max_tokens``
+("stop", or "length" when the draw is ``max_tokens``), or earlier at its first stop token.
+As in SGLang, ``ignore_eos`` also ignores ``stop_token_ids``, and a stop token is part of the
+output ids.
+
+Decode progress is integer arithmetic on milli-tokens, so the engine that wakes every
+iteration and the one that jumps to the next state change agree exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from evinfra.drivers.base import Sampling
+
+__all__ = ["DecodeProgress", "plan_output"]
+
+
+def plan_output(seed: int, request: str, sampling: Sampling,
+                vocab: tuple[int, int]) -> tuple[list[int], str]:
+    """The output token ids of ``request`` and its finish reason."""
+    key = int.from_bytes(hashlib.blake2b(request.encode(), digest_size=8).digest(), "little")
+    rng = np.random.default_rng([seed, key])
+    max_tokens = max(1, sampling.max_tokens)
+    if sampling.ignore_eos:
+        n, finish = max_tokens, "length"
+    else:
+        n = int(rng.integers(1, max_tokens + 1))
+        finish = "length" if n == max_tokens else "stop"
+    tokens = rng.integers(vocab[0], vocab[1], size=n, dtype=np.uint32)
+    if not sampling.ignore_eos and sampling.stop_token_ids:
+        hits = np.flatnonzero(np.isin(tokens, sampling.stop_token_ids))
+        if hits.size:
+            tokens, finish = tokens[:hits[0] + 1], "stop"
+    return tokens.tolist(), finish
+
+
+class DecodeProgress:
+    """Tokens of a request after ``i`` decode iterations: the first token when it joins the
+    batch (the prefill's own sample), then ``t_acc`` per iteration on average, kept exact as
+    ``1 + floor(i * t_acc_milli / 1000)``."""
+
+    def __init__(self, t_acc: float) -> None:
+        self.milli = max(1, round(t_acc * 1000))
+
+    def produced(self, iters: int, n_out: int) -> int:
+        return min(n_out, 1 + iters * self.milli // 1000)
+
+    def iterations_left(self, iters: int, n_out: int) -> int:
+        """Iterations until a request that has run ``iters`` produces all ``n_out`` tokens."""
+        need = -(-(n_out - 1) * 1000 // self.milli)
+        return max(0, need - iters)

@@ -1,0 +1,77 @@
+"""Hashes of the pages a finished request writes after its input (its output is the prefix of
+the branch's next request, so these must be SGLang's page hashes, chained from the input).
+
+Chaining needs the SHA-256 *digest* of the input's last full page, and orders carry only the
+int64 hashes. Rehashing the whole input per request would cost ~1,600 SHA-256 calls for a 100K
+context, so the cluster keeps a bounded memo ``hash -> digest`` of the pages it hashed: a
+branch's next request finds its previous output's last page in its path and hashes only the
+pages after it. Only a branch's first request (or one whose memo entry aged out) pays the
+full input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+from evinfra.core.hashing import as_tokens, digest_to_hash
+from evinfra.core.types import BlockHash
+
+__all__ = ["OutputPages"]
+
+_MEMO_ENTRIES = 1 << 16
+"""Two entries per finished request: a few thousand requests in flight or waiting for their
+branch's next turn fit many times over, in about 10 MB."""
+
+
+class OutputPages:
+    def __init__(self, page_size: int) -> None:
+        self.page = page_size
+        self._memo: OrderedDict[BlockHash, bytes] = OrderedDict()
+
+    def hashes(self, path: Sequence[BlockHash], tokens: np.ndarray) -> list[BlockHash]:
+        """Hashes of the full pages of ``tokens`` after ``path`` (the input's full pages).
+
+        ``tokens`` is the input followed by the output whose KV exists. Cost: O(new pages),
+        plus the input pages after the deepest memoised one."""
+        page, memo = self.page, self._memo
+        k_in, total = len(path), tokens.size // self.page
+        if total <= k_in:
+            return []
+        start, prior = 0, None
+        for i in range(k_in - 1, -1, -1):
+            d = memo.get(path[i])
+            if d is not None:
+                start, prior = i + 1, d
+                memo.move_to_end(path[i])
+                break
+        buf = as_tokens(tokens[start * page:total * page]).tobytes()
+        digests = _chain(buf, page * 4, total - start, prior)
+        if k_in:
+            self._remember(path[k_in - 1], digests[k_in - 1 - start] if k_in > start else prior)
+        out = [digest_to_hash(d) for d in digests[k_in - start:]]
+        self._remember(out[-1], digests[-1])
+        return out
+
+    def _remember(self, block: BlockHash, digest: bytes | None) -> None:
+        if digest is None:
+            return
+        self._memo[block] = digest
+        self._memo.move_to_end(block)
+        if len(self._memo) > _MEMO_ENTRIES:
+            self._memo.popitem(last=False)
+
+
+def _chain(buf: bytes, page_bytes: int, pages: int, prior: bytes | None) -> list[bytes]:
+    """SGLang's page chain (``core/hashing.py``): ``digest_i = SHA-256(digest_{i-1} || page_i)``."""
+    out = []
+    sha = hashlib.sha256
+    for i in range(pages):
+        h = sha(prior) if prior is not None else sha()
+        h.update(buf[i * page_bytes:(i + 1) * page_bytes])
+        prior = h.digest()
+        out.append(prior)
+    return out

@@ -1,0 +1,187 @@
+"""The prefill side of the fake engine: admission, peer fetch, chunked packing (paper 4.2,
+5.1, D.1, D.6).
+
+A prefill order pins the node's own cached prefix and starts its peer fetch at once; it is
+ready when the fetch lands. Packing is FCFS over ready requests within the chunk budget; a
+request gets GPU room (restore of its host-only prefix, its uncomputed input) only when its
+first chunk launches, and its computed pages enter the cache chunk by chunk. When its last
+chunk ends it keeps its KV pinned for the decode side until the transfer lands.
+
+A mixin of :class:`~evinfra.drivers.fake.engine.FakeEngine`: it reads and writes the
+engine's state and calls its loop (``_kick``, ``_schedule``), never the other way round
+except through the methods here.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from evinfra.core.events import (IterationReport, PrefillDone, PrefillItem, PrefillStarted,
+                                 RequestFailed)
+from evinfra.core.types import RequestId, Tier
+from evinfra.drivers.base import PrefillOrder
+from evinfra.drivers.fake.records import PrefillRecord
+
+__all__ = ["PrefillSide"]
+
+log = structlog.get_logger(__name__)
+
+
+class PrefillSide:
+    """Prefill orders, fetches and chunks of one engine."""
+
+    def _submit_prefill(self, order: PrefillOrder) -> None:
+        now, page = self.clock.now(), self.config.page_size
+        if order.request in self._prefills:
+            log.warning("fake_engine_duplicate_order", node=self.node, request=order.request)
+            return
+        rec = PrefillRecord(order, page)
+        if rec.n_in == 0:
+            self._out.append(RequestFailed(rec.request, self.node, now, "empty prompt", False))
+            return
+        rec.locked = self.cache.prefix(rec.path)
+        self.cache.lock(rec.path, rec.locked, now)
+        if order.fetch:
+            tokens = sum(len(run.blocks) for run in order.fetch) * page
+            delay = self.config.fetch_latency + tokens * self.config.fetch_s_per_token
+            rec.timer = self._at(now + delay, self._fetch_done, rec)
+        self._prefills[rec.request] = self._queue[rec.request] = rec
+        self._dirty |= rec.ready
+        self._kick()
+
+    def _fetch_done(self, rec: PrefillRecord) -> None:
+        """The fetch landed (paper 4.2, D.6): keep the contiguous part the peers still hold,
+        in own L2 and L1 with the own host copies before it; the rest will be recomputed."""
+        now, path = self.clock.now(), rec.path
+        target = self.cache.prefix(path)
+        for run in sorted(rec.order.fetch, key=lambda r: r.start):
+            end = min(run.start + len(run.blocks), len(path))
+            if run.start > target:
+                break
+            if end <= target:
+                continue
+            got = min(end, self.cluster.peer_l2_prefix(run.peer, path, end))
+            if got <= target:
+                break
+            target = got
+        res = self.cache.insert(path, target, rec.tokens, now)
+        rec.fetched = res.added
+        rec.restored += res.restored + res.added
+        held = self.cache.prefix(path)
+        self.cache.extend_lock(path, rec.locked, held, now)
+        rec.locked, rec.ready, rec.timer = held, True, None
+        self._dirty = True
+        self._kick()
+
+    def _admit_prefill(self, rec: PrefillRecord, now: float) -> str:
+        """Give a request its first chunk: restore its host-only prefix, reserve GPU room for
+        the rest of its input (no reservation while queued, paper D.1)."""
+        c, page, path = self.cache, self.config.page_size, rec.path
+        held = c.prefix(path)  # other requests may have stored more of it meanwhile
+        c.extend_lock(path, rec.locked, held, now)
+        rec.locked = held
+        restore = rec.locked - c.tier_prefix(path, rec.locked, Tier.L1)
+        compute = rec.n_in - rec.locked * page
+        need = restore * page + compute
+        if need > c.l1_capacity:
+            return "fail"
+        if need > c.kv_room or not c.make_room(need):
+            return "wait"
+        rec.restored += c.insert(path, rec.locked, rec.tokens, now).restored
+        c.reserve(compute)
+        rec.reserved = compute
+        # At least one input token is computed (its logits give the first output token).
+        rec.cached = rec.done = min(rec.locked, (rec.n_in - 1) // page) * page
+        return "ok"
+
+    def _pack(self, now: float) -> list[tuple[PrefillRecord, PrefillItem]]:
+        budget, chunks, page = self.config.chunk_tokens, [], self.config.page_size
+        rec = self._chunked
+        if rec is not None:
+            t = min(budget, rec.n_in - rec.done)
+            chunks.append((rec, PrefillItem(rec.request, t, rec.done, 0)))
+            budget -= t
+            self._chunked = None
+        if self._switch_to is not None:
+            return chunks
+        started, failed = [], []
+        for rec in self._queue.values():
+            if budget <= 0:
+                break
+            if not rec.ready:
+                continue
+            verdict = self._admit_prefill(rec, now)
+            if verdict == "fail":
+                failed.append(rec)
+                continue
+            if verdict == "wait":
+                break
+            t = min(budget, rec.n_in - rec.done)
+            chunks.append((rec, PrefillItem(rec.request, t, rec.done, rec.restored * page)))
+            budget -= t
+            started.append(rec)
+        for rec in failed:
+            self._forget(rec.request, True)
+            self._out.append(RequestFailed(rec.request, self.node, now,
+                                           "prompt exceeds the node's KV capacity", False))
+        for rec in started:
+            del self._queue[rec.request]
+            rec.started = True
+        return chunks
+
+    def _launch_prefill(self, chunks: list[tuple[PrefillRecord, PrefillItem]], now: float) -> None:
+        items = [item for _, item in chunks]
+        duration = self.truth.prefill(items)
+        self._inflight, self._busy, self._was_busy, self._run = chunks, "prefill", True, None
+        self._timer = self._at(now + duration, self._end_prefill, now, duration)
+        self._state(now, items)
+        for rec, item in chunks:
+            if item.t_c == rec.cached:
+                self._out.append(PrefillStarted(rec.request, self.node, now))
+
+    def _end_prefill(self, start: float, duration: float) -> None:
+        now, page = self.clock.now(), self.config.page_size
+        chunks, self._inflight = self._inflight, []
+        self._out.append(IterationReport(self.node, start, duration, [i for _, i in chunks]))
+        for rec, item in chunks:
+            if rec.aborted:
+                continue
+            rec.done += item.t_uc
+            full = min(rec.done // page, len(rec.path))
+            if full > rec.locked:
+                self._commit(rec, full, now)
+            if rec.done < rec.n_in:
+                self._chunked = rec
+                continue
+            self._handoff[rec.request] = rec
+            self._out.append(PrefillDone(rec.request, self.node, now, rec.cached,
+                                         min(rec.fetched * page, rec.cached),
+                                         rec.n_in - rec.cached))
+            self.cluster.prefill_done(rec.request, self.node)
+        self._busy = None
+        self._schedule()
+
+    def _commit(self, rec: PrefillRecord, full: int, now: float) -> None:
+        """Computed pages move from the request's reservation into the tree (write-through)."""
+        freed = (full - rec.locked) * self.config.page_size
+        self.cache.release(freed)
+        rec.reserved -= freed
+        res = self.cache.insert(rec.path, full, rec.tokens, now)
+        self.cache.extend_lock(rec.path, rec.locked, res.resident, now)
+        rec.locked = res.resident
+
+    def _release_source(self, request: RequestId) -> None:
+        rec = self._handoff.pop(request, None)
+        if rec is not None:
+            del self._prefills[request]
+            self._drop_prefill(rec)
+            self._room_freed()
+            self._kick()
+
+    def _drop_prefill(self, rec: PrefillRecord) -> None:
+        rec.aborted = True
+        if rec.timer is not None:
+            rec.timer.cancel()
+        self.cache.unlock(rec.path, rec.locked, self.clock.now())
+        self.cache.release(rec.reserved)
+        rec.locked = rec.reserved = 0

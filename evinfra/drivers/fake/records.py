@@ -1,0 +1,92 @@
+"""The fake engine's bookkeeping for one request on one node, prefill side and decode side.
+
+Plain mutable records with ``__slots__``; the engine owns every transition. A request that is
+prefilled and decoded on the same node (collocated, or a decode order naming the node itself)
+has one record of each kind.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from evinfra.core.clock import Timer
+from evinfra.core.hashing import as_tokens
+from evinfra.drivers.base import DecodeOrder, PrefillOrder
+
+__all__ = ["DecodeRecord", "DecodeState", "PrefillRecord", "Run"]
+
+
+class PrefillRecord:
+    """A prefill order: queued (``started`` False), prefilling, then done and holding its KV
+    for the decode side (the engine's ``_handoff``) until the transfer lands.
+
+    ``locked`` blocks of the path are pinned; ``reserved`` GPU tokens are held outside the
+    tree (the uncomputed input, then the input's partial last page)."""
+
+    __slots__ = ("order", "request", "tokens", "path", "n_in", "ready", "started", "aborted",
+                 "locked", "reserved", "cached", "fetched", "restored", "done", "timer")
+
+    def __init__(self, order: PrefillOrder, page: int) -> None:
+        self.order = order
+        self.request = order.request
+        self.tokens: np.ndarray = as_tokens(order.tokens)
+        self.n_in = int(self.tokens.size)
+        self.path = order.path[: self.n_in // page]
+        self.ready = not order.fetch
+        self.started = False
+        self.aborted = False
+        self.locked = 0
+        self.reserved = 0
+        self.cached = 0  # tokens of KV reused (own prefix plus fetched)
+        self.fetched = 0  # blocks that arrived from peers
+        self.restored = 0  # blocks loaded into L1 for it: fetched plus own host copies (t_rst)
+        self.done = 0  # input tokens whose KV exists
+        self.timer: Timer | None = None
+
+
+class DecodeState(enum.Enum):
+    WAIT_KV = "wait_kv"  # the source is still prefilling
+    WAIT_ROOM = "wait_room"  # the KV is ready at the source; no GPU room here yet
+    TRANSFER = "transfer"
+    READY = "ready"  # joins the batch at the next iteration boundary
+    RUNNING = "running"
+
+
+class DecodeRecord:
+    """A decode order: its output is fixed on arrival (``out``, ``finish``); ``iters`` decode
+    iterations run so far, ``emitted`` tokens streamed."""
+
+    __slots__ = ("request", "source", "tokens", "path", "n_in", "out", "finish", "state",
+                 "locked", "reserved", "iters", "emitted", "timer")
+
+    def __init__(self, order: DecodeOrder, page: int, out: list[int], finish: str) -> None:
+        self.request = order.request
+        self.source = order.source
+        self.tokens: np.ndarray = as_tokens(order.tokens)
+        self.n_in = int(self.tokens.size)
+        self.path = order.path[: self.n_in // page]
+        self.out = out
+        self.finish = finish
+        self.state = DecodeState.WAIT_KV
+        self.locked = 0
+        self.reserved = 0
+        self.iters = 0
+        self.emitted = 0
+        self.timer: Timer | None = None
+
+
+class Run:
+    """Consecutive decode iterations with one batch and one duration ``d``: iteration ``i``
+    ends at ``start + i * d`` in both streaming modes, so they compute the same floats."""
+
+    __slots__ = ("start", "d", "batch", "B", "done", "planned")
+
+    def __init__(self, start: float, d: float, batch: list[DecodeRecord]) -> None:
+        self.start = start
+        self.d = d
+        self.batch = batch
+        self.B = len(batch)  # noqa: N815 - Eq. 2's B, fixed for the run even if one aborts
+        self.done = 0  # iterations accounted for
+        self.planned = 0  # iterations until the scheduled wake-up

@@ -8,8 +8,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: install test
+.PHONY: install run test
 install: $(VENV)/.installed
+
+# The main job: the control plane on the embedded default (nine fake engines), port 8000.
+run: install
+	$(VENV)/bin/evinfra serve --config etc/cluster.toml
 
 # pytest's "no tests collected" exit code (5) is a failure, as every other non-zero code.
 test: install

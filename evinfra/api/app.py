@@ -1,0 +1,161 @@
+"""The aiohttp application: OpenAI-compatible routes, agent and admin routes, health, metrics.
+
+Errors leave as OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``) with
+the status of :mod:`evinfra.errors`' tree: bad requests 4xx, no node 503, engine failures 502,
+timeouts 504. Anything unexpected is logged and answered 500; it never takes the process down.
+
+Auth: ``server.api_key`` guards the inference routes, ``server.admin_key`` the routes that
+change the cluster; ``/health``, ``/ready`` and ``/metrics`` are open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from evinfra.api.metrics import Metrics
+from evinfra.api.openai import OpenAIRoutes
+from evinfra.api.schemas import SplitRequest, decode_body
+from evinfra.api.tokenizer import Tokenizer
+from evinfra.core.types import Phase
+from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError
+from evinfra.service import Service
+
+__all__ = ["build_app"]
+
+log = structlog.get_logger(__name__)
+
+_ADMIN = ("/v1/evinfra/split", "/v1/branches/")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+_MAX_BODY = web.AppKey("max_body", int)
+_OPEN = ("/health", "/ready", "/metrics")
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None,
+           code: str | None = None) -> web.Response:
+    return web.Response(status=status, content_type="application/json", body=msgspec.json.encode(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}))
+
+
+def error_response(exc: BaseException) -> web.Response:
+    if isinstance(exc, RequestError):
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return _error(exc.status, exc.message, kind, exc.param, exc.code)
+    if isinstance(exc, NoNodeError):
+        return _error(503, exc.message, "service_unavailable", code="no_node")
+    if isinstance(exc, EngineError):
+        return _error(504 if exc.timeout else 502, exc.message,
+                      "timeout" if exc.timeout else "engine_error", code=exc.node)
+    if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
+        msg = str(exc)
+        param = None
+        if " - at `$." in msg:
+            msg, _, where = msg.partition(" - at `$.")
+            param = where.rstrip("`")
+        missing = _MISSING.search(msg)
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        return _error(400, f"invalid request body: {msg}", "invalid_request_error", param)
+    if isinstance(exc, EvinfraError):
+        return _error(500, exc.message, "server_error")
+    return _error(500, "internal server error", "server_error")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason if exc.status != 413 else
+                      f"request body too large (limit {request.app[_MAX_BODY]} bytes)",
+                      "invalid_request_error")
+    except (EvinfraError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return error_response(exc)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - one request must not take the server down
+        log.exception("handler_failed", path=request.path)
+        return error_response(exc)
+
+
+def _auth(api_key: str, admin_key: str):
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        path = request.path
+        if path in _OPEN:
+            return await handler(request)
+        key = admin_key if path.startswith(_ADMIN) else api_key
+        if key:
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+                return _error(401, "missing or invalid API key (Authorization: Bearer ...)",
+                              "authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    return auth
+
+
+class _Admin:
+    def __init__(self, service: Service, metrics: Metrics) -> None:
+        self.service = service
+        self.metrics = metrics
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        s = self.service
+        phases = {s.router.phase(n) for n in s.nodes
+                  if s.router.node_view(n)["healthy"] and s.router.draining(n) is None}
+        ok = s.accepting and (Phase.COLLOCATED in phases
+                              or {Phase.PREFILL, Phase.DECODE} <= phases)
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def metrics_(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.Response(body=msgspec.json.encode(self.service.status()),
+                            content_type="application/json")
+
+    async def split(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), SplitRequest)
+        split = self.service.force_split(body.prefill)
+        return web.json_response({"split": split.label, "prefill": list(split.prefill),
+                                  "decode": list(split.decode)})
+
+    async def end_branch(self, request: web.Request) -> web.Response:
+        branch = request.match_info["branch"]
+        self.service.end_branch(branch)
+        return web.json_response({"branch": branch, "ended": True})
+
+    async def branch(self, request: web.Request) -> web.Response:
+        branch = request.match_info["branch"]
+        return web.json_response({"branch": branch,
+                                  "counted_blocks": self.service.branch_counts(branch)})
+
+
+def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
+    server = service.config.server
+    app = web.Application(client_max_size=server.max_body_bytes,
+                          middlewares=[_errors, _auth(server.api_key, server.admin_key)])
+    app[_MAX_BODY] = server.max_body_bytes
+    metrics = Metrics(service)
+    admin = _Admin(service, metrics)
+    OpenAIRoutes(service, tokenizer).add_to(app)
+    app.router.add_get("/health", admin.health)
+    app.router.add_get("/ready", admin.ready)
+    app.router.add_get("/metrics", admin.metrics_)
+    app.router.add_get("/v1/evinfra/status", admin.status)
+    app.router.add_post("/v1/evinfra/split", admin.split)
+    app.router.add_post("/v1/branches/{branch}/end", admin.end_branch)
+    app.router.add_get("/v1/branches/{branch}", admin.branch)
+    return app

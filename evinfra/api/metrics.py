@@ -1,0 +1,97 @@
+"""Prometheus metrics of one service, on a registry of its own.
+
+Per-request figures are updated from the bus's ``RequestDone`` events (one pass per request,
+off the routing path); the cluster's state (split, queues, directory, planner) is read from
+the service when ``/metrics`` is scraped, so nothing keeps gauges in sync by hand.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from evinfra.core.events import RequestDone, SplitChanged
+from evinfra.service import Service
+
+__all__ = ["Metrics"]
+
+_LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("evinfra_requests", "Requests over, by status", ["status"], registry=r)
+        self.ttft = Histogram("evinfra_ttft_seconds", "Time to first token", buckets=_LATENCY,
+                              registry=r)
+        self.e2e = Histogram("evinfra_e2e_seconds", "Request latency, arrival to last token",
+                             buckets=_LATENCY, registry=r)
+        self.prompt = Counter("evinfra_prompt_tokens", "Input tokens of finished requests", registry=r)
+        self.cached = Counter("evinfra_cached_tokens", "Input tokens whose KV was reused", registry=r)
+        self.fetched = Counter("evinfra_fetched_tokens", "Reused tokens fetched from peers", registry=r)
+        self.output = Counter("evinfra_output_tokens", "Output tokens", registry=r)
+        self.splits = Counter("evinfra_split_changes", "Split changes started", registry=r)
+        r.register(_ClusterCollector(service))
+        service.bus.subscribe(RequestDone, self._on_done)
+        service.bus.subscribe(SplitChanged, lambda _: self.splits.inc())
+
+    def _on_done(self, d: RequestDone) -> None:
+        self.requests.labels(d.status).inc()
+        if d.status != "ok":
+            return
+        if d.first_token is not None:
+            self.ttft.observe(d.first_token - d.arrival)
+        self.e2e.observe(d.end - d.arrival)
+        self.prompt.inc(d.prompt_tokens)
+        self.cached.inc(d.cached_tokens)
+        self.fetched.inc(d.fetched_tokens)
+        self.output.inc(d.output_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ClusterCollector:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def collect(self):
+        s = self.service
+        router = s.router
+        phase = GaugeMetricFamily("evinfra_node_phase", "1 for the phase each node serves",
+                                  labels=["node", "phase"])
+        queued = GaugeMetricFamily("evinfra_node_queued", "Prefill requests queued per node",
+                                   labels=["node"])
+        decoding = GaugeMetricFamily("evinfra_node_decoding", "Requests bound to decode per node",
+                                     labels=["node"])
+        for n in s.nodes:
+            view = router.node_view(n)
+            phase.add_metric([n, str(view["phase"])], 1)
+            queued.add_metric([n], float(view["queued"]))
+            decoding.add_metric([n], float(view["decoding"]))
+        yield phase
+        yield queued
+        yield decoding
+        p, d = router.split()
+        g = GaugeMetricFamily("evinfra_split_nodes", "Nodes per phase", labels=["phase"])
+        g.add_metric(["prefill"], len(p))
+        g.add_metric(["decode"], len(d))
+        yield g
+        yield GaugeMetricFamily("evinfra_in_flight", "Requests in flight", value=s.in_flight())
+        tree = s.directory.tree
+        yield GaugeMetricFamily("evinfra_directory_blocks", "Blocks in the KV directory",
+                                value=len(tree))
+        yield GaugeMetricFamily("evinfra_directory_entries", "(block, node) entries",
+                                value=tree.entries())
+        yield GaugeMetricFamily("evinfra_active_branches", "Agent branches with counts",
+                                value=len(s.directory.branches))
+        c = CounterMetricFamily("evinfra_kv_event_problems", "Tolerated bad KV events",
+                                labels=["problem"])
+        for f in ("unknown_parent", "unknown_removal", "duplicate_hash", "unknown_node",
+                  "untracked_medium", "block_size_mismatch"):
+            c.add_metric([f], getattr(tree.stats, f))
+        yield c
+        yield CounterMetricFamily("evinfra_bus_errors", "Bus subscribers that raised",
+                                  value=s.bus.errors)

@@ -1,0 +1,294 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming (SSE) and not.
+
+The handler validates the body, applies the chat template and tokenizes, reads the agent
+hints, submits to the service and relays the output. Output text comes from an incremental
+detokenizer (only the last few tokens are decoded again per step); ``stop`` strings are
+matched on the text and end the request early. ``usage`` reports
+``prompt_tokens_details.cached_tokens``: the input tokens whose KV the request reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Sequence
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from evinfra.api.schemas import AgentHints, ChatCompletionRequest, CompletionRequest, decode_body
+from evinfra.api.tokenizer import Tokenizer
+from evinfra.core.events import RequestDone
+from evinfra.drivers.base import Sampling
+from evinfra.errors import EvinfraError, RequestError
+from evinfra.service import Service, Submission
+
+__all__ = ["OpenAIRoutes"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
+
+
+class _Channel:
+    """A request's output as an asyncio queue (the service's RequestSink)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def tokens(self, tokens: list[int]) -> None:
+        self.queue.put_nowait(tokens)
+
+    def done(self, record: RequestDone, error: EvinfraError | None) -> None:
+        self.queue.put_nowait((record, error))
+
+
+class _Detokenizer:
+    """Incremental detokenization (the offsets scheme of vLLM and SGLang): decode only the
+    tokens since the last emitted character, and hold back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def add(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        new_text = self.tok.decode(self.ids[self.prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+def _hints(request: web.Request, body: AgentHints | None) -> AgentHints:
+    h = request.headers
+    branch = h.get("X-Evinfra-Branch-Id") or h.get("X-Dynamo-Session-ID")
+    parent = h.get("X-Evinfra-Parent-Branch-Id") or h.get("X-Dynamo-Parent-Session-ID")
+    final = (h.get("X-Evinfra-Branch-Final") or h.get("X-Dynamo-Session-Final") or "").lower()
+    if body is not None:
+        return AgentHints(body.branch_id or branch, body.parent_branch_id or parent,
+                          body.final or final in _TRUE)
+    return AgentHints(branch, parent, final in _TRUE)
+
+
+def _token_ids(ids: list) -> np.ndarray:
+    if not all(type(i) is int for i in ids):
+        raise RequestError("prompt must be a string, a list of token ids, or a list of one "
+                           "of either", param="prompt")
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
+        raise RequestError("token ids must be in [0, 2^32)", param="prompt")
+    return arr.astype(np.uint32)
+
+
+def _prompt_tokens(body: CompletionRequest, tok: Tokenizer) -> np.ndarray:
+    p = body.prompt
+    if isinstance(p, str):
+        return tok.encode(p)
+    if not p:
+        raise RequestError("prompt must not be empty", param="prompt")
+    if type(p[0]) is int:
+        return _token_ids(p)
+    if len(p) != 1:
+        raise RequestError("batched prompts are not supported: send one prompt per request",
+                           param="prompt")
+    (one,) = p
+    return tok.encode(one) if isinstance(one, str) else _token_ids(one)
+
+
+def _chat_tokens(body: ChatCompletionRequest, tok: Tokenizer) -> np.ndarray:
+    if not body.messages:
+        raise RequestError("messages must not be empty", param="messages")
+    for i, m in enumerate(body.messages):
+        role = m.get("role")
+        if role not in _ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
+                               param=f"messages[{i}].role")
+    return tok.encode(tok.apply_chat_template(body.messages))
+
+
+class OpenAIRoutes:
+    def __init__(self, service: Service, tokenizer: Tokenizer) -> None:
+        self.service = service
+        self.tok = tokenizer
+        self.model = service.config.model
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model.name, "object": "model", "created": 0, "owned_by": "evinfra"}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = decode_body(await request.read(), ChatCompletionRequest)
+        tokens = _chat_tokens(body, self.tok)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await self._serve(request, body, tokens, max_tokens, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = decode_body(await request.read(), CompletionRequest)
+        tokens = _prompt_tokens(body, self.tok)
+        return await self._serve(request, body, tokens, body.max_tokens, chat=False)
+
+    def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
+               max_tokens: int | None) -> Sampling:
+        if body.model != self.model.name:
+            raise RequestError(f"the model {body.model!r} does not exist; this server serves "
+                               f"{self.model.name!r}", status=404, param="model",
+                               code="model_not_found")
+        if body.n != 1:
+            raise RequestError("only n = 1 is supported", param="n")
+        room = self.model.max_context_tokens - int(tokens.size)
+        if max_tokens is None:
+            max_tokens = min(room, 4096)
+        if max_tokens <= 0:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        if tokens.size == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        if int(tokens.size) + max_tokens > self.model.max_context_tokens:
+            raise RequestError(
+                f"this model's maximum context length is {self.model.max_context_tokens} "
+                f"tokens; the prompt has {tokens.size} and max_tokens asks for {max_tokens}",
+                param="max_tokens", code="context_length_exceeded")
+        stop_ids = list(self.tok.eos_token_ids)
+        return Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos, stop_ids,
+                        body.seed)
+
+    async def _serve(self, request: web.Request, body, tokens: np.ndarray,
+                     max_tokens: int | None, *, chat: bool) -> web.StreamResponse:
+        sampling = self._check(body, tokens, max_tokens)
+        hints = _hints(request, body.evinfra)
+        channel = _Channel()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.service.submit(Submission(tokens, sampling, hints.branch_id,
+                                       hints.parent_branch_id, hints.final, rid), channel)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        try:
+            prompt = int(tokens.size)
+            if body.stream:
+                return await self._stream(request, rid, body, channel, stops, chat, prompt)
+            return await self._whole(rid, channel, stops, chat, prompt)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.service.abort(rid)
+            raise
+
+    async def _outputs(self, rid: str, channel: _Channel, stops: list[str]):
+        """Yields ``("text", delta)`` then ``("done", record, finish)``; raises the error."""
+        detok = _Detokenizer(self.tok)
+        longest = max((len(s) for s in stops), default=0)
+        while True:
+            item = await channel.queue.get()
+            if isinstance(item, list):
+                delta = detok.add(item)
+                if stops and delta:
+                    start = max(0, len(detok.text) - len(delta) - longest)
+                    hits = [i for i in (detok.text.find(s, start) for s in stops) if i >= 0]
+                    if hits:
+                        cut = min(hits)
+                        keep = cut - (len(detok.text) - len(delta))
+                        if keep > 0:
+                            yield "text", delta[:keep]
+                        self.service.abort(rid)  # its record arrives synchronously
+                        record = None
+                        while not channel.queue.empty():
+                            it = channel.queue.get_nowait()
+                            if isinstance(it, tuple):
+                                record = it[0]
+                        yield "done", record, "stop", detok.ids
+                        return
+                if delta:
+                    yield "text", delta
+                continue
+            record, error = item
+            if error is not None:
+                raise error
+            yield "done", record, record.finish or "stop", detok.ids
+            return
+
+    def _usage(self, record: RequestDone | None, prompt: int, completion: int) -> dict:
+        cached = record.cached_tokens if record is not None else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _whole(self, rid: str, channel: _Channel, stops: list[str], chat: bool,
+                     prompt: int) -> web.Response:
+        text: list[str] = []
+        record, finish, ids = None, "stop", []
+        async for item in self._outputs(rid, channel, stops):
+            if item[0] == "text":
+                text.append(item[1])
+            else:
+                _, record, finish, ids = item
+        usage = self._usage(record, prompt, len(ids))
+        content = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content},
+                   "finish_reason": finish, "logprobs": None} if chat else
+                  {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model.name, "choices": [choice],
+            "usage": usage})
+
+    async def _stream(self, request: web.Request, rid: str, body, channel: _Channel,
+                      stops: list[str], chat: bool, prompt: int) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        enc = msgspec.json.encode
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                d: dict = {}
+                if role:
+                    d["role"] = "assistant"
+                if delta is not None:
+                    d["content"] = delta
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish,
+                          "logprobs": None}
+            return b"data: " + enc({"id": rid, "object": obj, "created": created,
+                                    "model": self.model.name, "choices": [choice]}) + b"\n\n"
+
+        outputs = self._outputs(rid, channel, stops)
+        try:
+            first = await outputs.__anext__()
+        except EvinfraError:
+            raise  # nothing sent yet: an ordinary error response
+        await resp.prepare(request)
+        if chat:
+            await resp.write(chunk("", None, role=True))
+        item = first
+        try:
+            while True:
+                if item[0] == "text":
+                    await resp.write(chunk(item[1], None))
+                else:
+                    _, record, finish, ids = item
+                    await resp.write(chunk(None if chat else "", finish))
+                    opts = body.stream_options
+                    if opts is not None and opts.include_usage:
+                        await resp.write(b"data: " + enc({
+                            "id": rid, "object": obj, "created": created, "model": self.model.name,
+                            "choices": [], "usage": self._usage(record, prompt, len(ids))}) + b"\n\n")
+                    break
+                item = await outputs.__anext__()
+        except EvinfraError as exc:
+            # Headers are out: report the error in the stream, as OpenAI does.
+            await resp.write(b"data: " + enc({"error": {
+                "message": exc.message, "type": type(exc).__name__, "code": None}}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,69 @@
+"""Request bodies of the OpenAI-compatible routes, validated once at the edge.
+
+Unknown fields are ignored, as OpenAI clients send many this server has no use for
+(``user``, ``logit_bias``...); wrong types and out-of-range values are 400s that name the
+field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+__all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "SplitRequest", "decode_body"]
+
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Agent context management (paper 4.3): the branch of this request, the branch it was
+    forked or spawned from, and whether the branch ends with this request."""
+
+    branch_id: str | None = None
+    parent_branch_id: str | None = None
+    final: bool = False
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    """Generate exactly ``max_tokens`` (SGLang and vLLM accept it; replay uses it)."""
+    evinfra: AgentHints | None = None
+
+
+class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
+    messages: list[dict[str, object]]
+    max_completion_tokens: int | None = None
+
+
+class CompletionRequest(_Common, frozen=True, kw_only=True):
+    prompt: str | list[int | str | list[int]]
+    """Text, token ids, or a one-element list of either (msgspec takes one array type per
+    union, so the list's items are checked by the handler)."""
+    max_tokens: int | None = 16
+
+
+class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /v1/evinfra/split``: the nodes that prefill; the others decode."""
+
+    prefill: list[str]
+
+
+def decode_body(body: bytes, schema: type) -> object:
+    """Decode and validate; raises ``msgspec.ValidationError``/``DecodeError`` for the caller
+    to turn into a 400 naming the field."""
+    return msgspec.json.decode(body, type=schema)

@@ -1,0 +1,134 @@
+"""The front end's tokenizers: it owns tokenization, as Dynamo's front end does.
+
+* :class:`HFTokenizer` reads a Hugging Face model directory: ``tokenizer.json`` (the
+  ``tokenizers`` library) and the chat template of ``tokenizer_config.json`` (Jinja, rendered
+  in a sandbox the way ``transformers`` does).
+* :class:`ByteTokenizer` needs nothing: UTF-8 bytes are the token ids, and a fixed chat
+  template frames the messages. It serves the fake engines of the embedded default, whose
+  outputs are ids from a large vocabulary: ids past the byte range render as letters, so a
+  response reads as text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from evinfra.errors import ConfigError, RequestError
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+
+Message = dict[str, object]
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: list[int]
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[Message]) -> str: ...
+
+
+def message_text(message: Message) -> str:
+    """A message's content as text: a string, or the text parts of a content list."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"unsupported content part type {kind!r}: only text",
+                                   param="messages")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise RequestError("message content must be a string or a list of parts", param="messages")
+
+
+_LETTERS = "etaoin shrdlucmfwypvbgkjqxz etaoin shrdlu"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0-255; a built-in chat template."""
+
+    eos_token_ids: list[int] = []
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            out += bytes((i,)) if i < 256 else _LETTERS[i % len(_LETTERS)].encode()
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[Message]) -> str:
+        return "".join(f"<|{m.get('role', 'user')}|>\n{message_text(m)}\n"
+                       for m in messages) + "<|assistant|>\n"
+
+
+class HFTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from tokenizers import Tokenizer as _Tok
+
+        d = Path(model_dir)
+        try:
+            self._tok = _Tok.from_file(str(d / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
+            raise ConfigError(f"cannot load tokenizer.json: {exc}", path=str(d), key="model.dir") from exc
+        try:
+            cfg = json.loads((d / "tokenizer_config.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read tokenizer_config.json: {exc}", path=str(d),
+                              key="model.dir") from exc
+
+        def token(name: str) -> str:
+            v = cfg.get(name)
+            return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+        self.bos_token, self.eos_token = token("bos_token"), token("eos_token")
+        eos = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.eos_token_ids = [eos] if eos is not None else []
+        self._template_error = TemplateError
+        template = cfg.get("chat_template")
+        self._template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent)
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(template)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[Message]) -> str:
+        if self._template is None:
+            raise RequestError("the model has no chat template: use /v1/completions",
+                               param="messages")
+        msgs = [{**m, "content": message_text(m)} for m in messages]
+        try:
+            return self._template.render(messages=msgs, add_generation_prompt=True,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except self._template_error as exc:
+            raise RequestError(f"chat template: {exc}", param="messages") from exc
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer:
+    return HFTokenizer(model_dir) if model_dir else ByteTokenizer()

@@ -1,0 +1,119 @@
+"""The service configuration: TOML -> msgspec Structs, validated once at the edge.
+
+It lives beside ``service.py`` rather than in ``core/`` (as DESIGN.md first placed it) because
+it composes the components' own config structs: ``core`` must not import the components.
+
+Errors name the file and the key (``etc/cluster.toml: key 'planner.t_win': Expected
+float >= 0...``). Unknown keys are errors: in a config a typo is the bigger risk. Every
+default comes from the paper and says where in its comment; ``etc/cluster.toml`` spells
+them out.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from evinfra.core.types import NonNegFloat, PosFloat, PosInt
+from evinfra.drivers.fake.config import FakeEngineConfig
+from evinfra.errors import ConfigError
+from evinfra.planner.planner import PlannerConfig
+from evinfra.router.router import RouterConfig
+
+__all__ = ["ClusterConfig", "Config", "ModelConfig", "NodeConfig", "ServerConfig", "load_config"]
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    """Loopback unless configured: the admin routes can change the cluster."""
+    port: Port = 8000
+    api_key: str = ""
+    """Bearer token for the inference routes (empty: open)."""
+    admin_key: str = ""
+    """Bearer token for the admin routes (empty: open, on a loopback bind)."""
+    max_body_bytes: PosInt = 16 * 1024 * 1024
+    first_token_timeout_s: PosFloat | None = 600.0
+    """A request with no first token by then fails with 504 (a stalled or overloaded node)."""
+    token_timeout_s: PosFloat | None = 60.0
+    """A running request that produces nothing for this long fails with 504."""
+    shutdown_grace_s: NonNegFloat = 30.0
+    """On SIGTERM: stop accepting, let in-flight requests finish this long, fail the rest."""
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str = "evinfra-fake"
+    """The model name clients send and ``/v1/models`` lists."""
+    dir: str = ""
+    """A Hugging Face model directory (``tokenizer.json``, ``tokenizer_config.json`` with a
+    chat template). Empty: the built-in byte-level tokenizer (fake engines)."""
+    max_context_tokens: PosInt = 262_144
+
+
+class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    url: str = ""
+    """The engine's HTTP base URL (SGLang driver); unused by fake engines."""
+
+
+class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    driver: Literal["fake", "sglang"] = "fake"
+    """``fake``: simulated engines in-process (no GPU). ``sglang``: real SGLang engines at
+    each node's ``url`` (the ``evinfra[sglang]`` extra)."""
+    nodes: list[NodeConfig] = msgspec.field(
+        default_factory=lambda: [NodeConfig(name=f"n{i}") for i in range(9)])
+    """Nine nodes, as the paper's testbed (6.1: nine 4xGB300 nodes)."""
+    initial_prefill: PosInt = 6
+    """Prefill nodes of the initial split: the first ones listed (6.1: both systems start
+    from the prefill-heavy 6P3D)."""
+    page_size: PosInt = 64
+    """Tokens per KV block, as the engines page their KV (SGLang ``--page-size``). It is the
+    fake engines' page size too: ``[fake].page_size`` is replaced by this one."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node names must be distinct: {names}")
+        if len(names) < 2:
+            raise ValueError("a PD cluster needs at least two nodes")
+        if self.initial_prefill >= len(names):
+            raise ValueError(f"initial_prefill={self.initial_prefill} leaves no decode node "
+                             f"among {len(names)}")
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    server: ServerConfig = ServerConfig()
+    model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    planner: PlannerConfig = PlannerConfig()
+    router: RouterConfig = RouterConfig()
+    fake: FakeEngineConfig = FakeEngineConfig()
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML config; :class:`ConfigError` names the file and the key."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError("no such file", path=str(path)) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"not valid TOML: {exc}", path=str(path)) from exc
+    return parse_config(raw, str(path))
+
+
+def parse_config(raw: dict, path: str = "<config>") -> Config:
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        key = None
+        if " - at `$." in msg:
+            msg, _, where = msg.partition(" - at `$.")
+            key = where.rstrip("`").replace("[", ".").replace("]", "")
+        raise ConfigError(msg, path=path, key=key) from exc

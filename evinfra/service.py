@@ -1,0 +1,529 @@
+"""The control-plane process: config -> bus, directory, router, planner, drivers; run.
+
+One :class:`Service` runs in ``evinfra serve`` (wall clock, asyncio, HTTP in front) and in
+``evinfra simulate`` (virtual clock, workload in front): the same object, the same handlers.
+It is the glue of DESIGN.md's "one request's walk": it hands requests to the router, turns
+the router's decisions into driver orders, and turns the engines' events (on the bus) back
+into router, directory and planner updates and into output for the client. Every handler is
+synchronous; nothing here awaits except start and stop.
+
+Clients see a request through a :class:`RequestSink`: output tokens as they come, then
+either the finish or an error. Nothing in a handler raises into the bus for one bad request:
+a request that cannot go on fails on its own sink.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Mapping, Protocol
+
+import msgspec
+import numpy as np
+import structlog
+
+from evinfra.config import Config
+from evinfra.core.bus import Bus
+from evinfra.core.clock import Clock, Timer
+from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeState, PhaseSwitched,
+                                 PrefillDone, PrefillStarted, RequestDone, RequestFailed,
+                                 SplitChanged, TokensOut, Withdrawn)
+from evinfra.core.types import BranchId, NodeId, Phase, RequestId
+from evinfra.directory import Directory
+from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
+from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError, UnknownBranchError
+from evinfra.planner.planner import Decision, Planner, Split
+from evinfra.router.router import DecodeBinding, Refusal, Route, RouteRequest, Router
+
+__all__ = ["RequestSink", "Service", "Submission"]
+
+log = structlog.get_logger(__name__)
+
+
+class RequestSink(Protocol):
+    """Where a request's output goes (an HTTP response, a simulated agent)."""
+
+    def tokens(self, tokens: list[int]) -> None:
+        """New output tokens."""
+
+    def done(self, record: RequestDone, error: EvinfraError | None) -> None:
+        """The request is over: finished (``error`` None, ``record.finish`` set) or failed."""
+
+
+class Submission(msgspec.Struct, frozen=True, gc=False):
+    """A request as the front end hands it over: tokenized, validated."""
+
+    tokens: object
+    """uint32 numpy array."""
+    sampling: Sampling
+    branch: BranchId | None = None
+    parent: BranchId | None = None
+    final: bool = False
+    """The branch ends after this request (the harness said so)."""
+    request: RequestId | None = None
+
+
+class _Flight:
+    __slots__ = ("id", "branch", "end_branch", "tokens", "sampling", "sink", "arrival", "first",
+                 "prefill", "decode", "prefill_start", "cached", "fetched", "computed", "out",
+                 "admitted", "timer", "progress", "reroutes", "path", "finish")
+
+    def __init__(self, rid: RequestId, branch: BranchId, end_branch: bool, tokens: np.ndarray,
+                 sampling: Sampling, sink: RequestSink, now: float) -> None:
+        self.id = rid
+        self.branch = branch
+        self.end_branch = end_branch
+        self.tokens = tokens
+        self.sampling = sampling
+        self.sink = sink
+        self.arrival = now
+        self.first: float | None = None
+        self.prefill: NodeId | None = None
+        self.decode: NodeId | None = None
+        self.prefill_start: float | None = None
+        self.cached = self.fetched = self.computed = self.out = 0
+        self.admitted = False
+        self.timer: Timer | None = None
+        self.progress = now
+        self.reroutes = 0
+        self.path: list[int] = []
+        self.finish: str | None = None
+
+
+class Service:
+    """Router, directory and planner around the bus, driving the engines."""
+
+    def __init__(self, config: Config, clock: Clock, bus: Bus,
+                 drivers: Mapping[NodeId, EngineDriver]) -> None:
+        self.config = config
+        self.clock = clock
+        self.bus = bus
+        self.drivers = dict(drivers)
+        nodes = [n.name for n in config.cluster.nodes]
+        if sorted(self.drivers) != sorted(nodes):
+            raise EvinfraError(f"drivers for {sorted(self.drivers)} but nodes {sorted(nodes)}")
+        self.nodes = nodes
+        self.initial_prefill = nodes[: config.cluster.initial_prefill]
+        self.directory = Directory({n: Phase.COLLOCATED for n in nodes}, config.cluster.page_size)
+        self.router = Router(self.directory, config.router)
+        self.planner = Planner(config.planner, nodes, self.initial_prefill, start=clock.now())
+        self.last_decision: Decision | None = None
+        self.accepting = True
+        self._stopping = False
+        self._flights: dict[RequestId, _Flight] = {}
+        self._ids = itertools.count()
+        self._switching: dict[NodeId, Phase] = {}
+        self._decoding = 0
+        self._tick: Timer | None = None
+        self.fake_cluster = None  # the fake engines, when from_config built them
+        self.counters = {"submitted": 0, "ok": 0, "failed": 0, "refused": 0, "rerouted": 0,
+                         "timeouts": 0, "switches": 0}
+        self._subscribe()
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock, bus: Bus | None = None,
+                    stream: str = "iteration") -> "Service":
+        """A service on the configured engines: real SGLang engines, or the fake cluster
+        (``stream`` its output mode: ``"iteration"`` to serve, ``"batched"`` to simulate)."""
+        bus = bus or Bus()
+        if config.cluster.driver == "sglang":
+            from evinfra.drivers.sglang import build_drivers
+
+            return cls(config, clock, bus, build_drivers(config, clock, bus))
+        from evinfra.drivers.fake import FakeCluster
+
+        fake = msgspec.structs.replace(config.fake, streaming=stream,
+                                       page_size=config.cluster.page_size)
+        cluster = FakeCluster([(n.name, Phase.COLLOCATED) for n in config.cluster.nodes], fake,
+                              clock, bus, seed=config.cluster.seed)
+        service = cls(config, clock, bus, {n.name: cluster.driver(n.name)
+                                           for n in config.cluster.nodes})
+        service.fake_cluster = cluster
+        return service
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for d in self.drivers.values():
+            await d.start()
+        self._schedule_tick()
+        log.info("service_started", nodes=len(self.nodes), warmup_until=self.planner.warmup_end,
+                 initial_split=f"{len(self.initial_prefill)}P{len(self.nodes) - len(self.initial_prefill)}D")
+
+    async def stop(self) -> None:
+        """Fail what is still in flight and stop the drivers (call after draining clients)."""
+        self.accepting = False
+        self._stopping = True
+        if self._tick is not None:
+            self._tick.cancel()
+        for f in list(self._flights.values()):
+            self._fail(f, EngineError(f.prefill or "-", "the service is shutting down"))
+        for d in self.drivers.values():
+            await d.stop()
+
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def submit(self, sub: Submission, sink: RequestSink) -> RequestId:
+        """Route a request; its output goes to ``sink``. Raises :class:`NoNodeError` (no node
+        can take it now) or :class:`RequestError` before anything is accepted."""
+        if not self.accepting:
+            raise NoNodeError("prefill", "the service is shutting down")
+        now = self.clock.now()
+        rid = sub.request or f"req-{next(self._ids)}"
+        if rid in self._flights:
+            raise RequestError(f"request id {rid!r} is already in flight", status=409)
+        tokens = np.asarray(sub.tokens, dtype=np.uint32)
+        if tokens.size == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        branch = sub.branch or f"~{rid}"  # a request without a branch is a branch of one
+        f = _Flight(rid, branch, sub.final or sub.branch is None, tokens, sub.sampling, sink, now)
+        decision = self.router.route(
+            RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, sub.parent), now)
+        if isinstance(decision, Refusal):
+            self.counters["refused"] += 1
+            if sub.branch is None and branch in self.directory.branches:
+                self.directory.end(branch)
+            raise NoNodeError(decision.phase, decision.reason)
+        self.counters["submitted"] += 1
+        self._flights[rid] = f
+        self._dispatch(f, decision)
+        self._arm_timer(f)
+        self._flush_hints()
+        return rid
+
+    def abort(self, request: RequestId) -> None:
+        """The client went away: stop the request everywhere, quietly."""
+        f = self._flights.get(request)
+        if f is None:
+            return
+        for node in {f.prefill, f.decode} - {None}:
+            self.drivers[node].abort(request)
+        self._close(f, "aborted", EngineError(f.prefill or "-", "aborted by the client"))
+
+    def end_branch(self, branch: BranchId) -> None:
+        """The harness says the branch is over (``POST /v1/branches/{id}/end``)."""
+        if any(f.branch == branch for f in self._flights.values()):
+            # Its counts must outlive the request in flight: end it when that one finishes.
+            for f in self._flights.values():
+                if f.branch == branch:
+                    f.end_branch = True
+            return
+        self.directory.end(branch)
+        self._flush_hints()
+
+    def _dispatch(self, f: _Flight, route: Route) -> None:
+        f.prefill = route.node
+        f.decode = None
+        f.path = route.path.hashes
+        self.drivers[route.node].submit_prefill(PrefillOrder(
+            f.id, f.tokens, route.path.hashes, route.fetch, f.sampling,
+            cached_tokens=route.prediction.t_c, branch=f.branch, final=f.end_branch))
+
+    # -- engine events ---------------------------------------------------------------------
+
+    def _subscribe(self) -> None:
+        sub = self.bus.subscribe
+        sub(NodeKVEvents, self._on_kv)
+        sub(NodeState, self._on_state)
+        sub(IterationReport, self.planner.observe_iteration)
+        sub(PrefillStarted, self._on_prefill_started)
+        sub(PrefillDone, self._on_prefill_done)
+        sub(TokensOut, self._on_tokens)
+        sub(RequestFailed, self._on_failed)
+        sub(Withdrawn, self._on_withdrawn)
+        sub(PhaseSwitched, self._on_switched)
+        sub(NodeDown, self._on_node_down)
+
+    def _on_kv(self, ev: NodeKVEvents) -> None:
+        self.directory.apply_batch(ev.node, ev.batch, self.clock.now())
+        self._flush_hints()
+
+    def _on_state(self, ev: NodeState) -> None:
+        self.router.on_state(ev)
+
+    def _on_prefill_started(self, ev: PrefillStarted) -> None:
+        f = self._flights.get(ev.request)
+        if f is None or f.prefill != ev.node:
+            return
+        f.prefill_start = ev.time
+        binding = self.router.prefill_started(ev.request, ev.node, ev.time)
+        if isinstance(binding, Refusal):
+            self.drivers[ev.node].abort(ev.request)
+            self._fail(f, NoNodeError(binding.phase, binding.reason))
+        elif isinstance(binding, DecodeBinding):
+            f.decode = binding.node
+            self.drivers[binding.node].submit_decode(DecodeOrder(
+                f.id, ev.node, f.tokens, f.path, f.sampling, branch=f.branch,
+                final=f.end_branch))
+            self._flush_hints()
+
+    def _on_prefill_done(self, ev: PrefillDone) -> None:
+        f = self._flights.get(ev.request)
+        if f is None or f.prefill != ev.node:
+            return
+        f.cached, f.fetched, f.computed = ev.cached, ev.fetched, ev.computed
+        self.router.prefill_done(ev.request, ev.node)
+        self._flush_hints()
+        self._check_drains()
+
+    def _on_tokens(self, ev: TokensOut) -> None:
+        f = self._flights.get(ev.request)
+        if f is None or f.decode != ev.node:
+            return
+        now = self.clock.now()
+        f.progress = now
+        if not f.admitted:
+            f.admitted = True
+            f.first = ev.time
+            self.router.decode_admitted(ev.request, ev.node)
+            self._set_decoding(self._decoding + 1)
+            self._flush_hints()
+        f.out += len(ev.tokens)
+        if ev.tokens:
+            f.sink.tokens(ev.tokens)
+        if ev.finish is not None:
+            f.finish = ev.finish
+            self._close(f, "ok", None)
+
+    def _on_failed(self, ev: RequestFailed) -> None:
+        f = self._flights.get(ev.request)
+        if f is None or ev.node not in (f.prefill, f.decode):
+            return
+        if ev.node == f.prefill and not ev.started and f.decode is None:
+            again = self.router.failed(ev.request, ev.node, False, self.clock.now())
+            if isinstance(again, Route):
+                f.reroutes += 1
+                self.counters["rerouted"] += 1
+                log.info("request_rerouted", request=f.id, failed_on=ev.node, to=again.node,
+                         error=ev.error)
+                self._dispatch(f, again)
+                self._flush_hints()
+                return
+        for node in {f.prefill, f.decode} - {None, ev.node}:
+            self.drivers[node].abort(ev.request)
+        self._fail(f, EngineError(ev.node, ev.error))
+
+    def _on_withdrawn(self, ev: Withdrawn) -> None:
+        f = self._flights.get(ev.request)
+        if f is None or f.prefill != ev.node:
+            return
+        again = self.router.withdrawn(ev.request, ev.node, self.clock.now())
+        if isinstance(again, Route):
+            f.reroutes += 1
+            self._dispatch(f, again)
+        else:
+            self._fail(f, NoNodeError("prefill", again.reason if again else "withdrawn"))
+        self._flush_hints()
+        self._check_drains()
+
+    def _on_switched(self, ev: PhaseSwitched) -> None:
+        phase = Phase(ev.phase)
+        self.router.switched(ev.node, phase)
+        if self._switching.get(ev.node) is phase:
+            del self._switching[ev.node]
+        self.planner.drained(ev.node, self.clock.now())
+        self._flush_hints()
+        log.info("node_switched", node=ev.node, phase=ev.phase)
+
+    def _on_node_down(self, ev: NodeDown) -> None:
+        (log.info if self._stopping else log.error)("node_down", node=ev.node, reason=ev.reason)
+        self.router.node_down(ev.node)
+        self._switching.pop(ev.node, None)
+        # A dead engine may not report its requests: settle them here (re-route the ones
+        # whose prefill had not started, fail the rest); late reports are then ignored.
+        for f in [f for f in self._flights.values() if ev.node in (f.prefill, f.decode)]:
+            self._on_failed(RequestFailed(f.id, ev.node, ev.time, f"node {ev.node} down: "
+                                          f"{ev.reason}", f.prefill_start is not None))
+
+    # -- finishing -------------------------------------------------------------------------
+
+    def _fail(self, f: _Flight, error: EvinfraError) -> None:
+        self._close(f, type(error).__name__, error)
+
+    def _close(self, f: _Flight, status: str, error: EvinfraError | None) -> None:
+        if self._flights.pop(f.id, None) is None:
+            return
+        now = self.clock.now()
+        if f.timer is not None:
+            f.timer.cancel()
+        if f.admitted:
+            self._set_decoding(self._decoding - 1)
+        self.router.finished(f.id)
+        if status == "ok":
+            self.counters["ok"] += 1
+            self.planner.observe_request(now, f.computed, f.cached, f.out)
+        else:
+            self.counters["failed"] += 1
+        if f.end_branch and f.branch in self.directory.branches:
+            self.directory.end(f.branch)
+        self._flush_hints()
+        self._check_drains()
+        record = RequestDone(
+            f.id, f.branch, f.arrival, now, status, int(f.tokens.size), f.out, f.cached,
+            f.fetched, f.first, f.prefill_start, f.prefill, f.decode,
+            error.message if error is not None else "", f.reroutes, f.finish)
+        f.sink.done(record, error)
+        self.bus.publish(record)
+
+    def _set_decoding(self, q: int) -> None:
+        self._decoding = q
+        self.planner.observe_decode(self.clock.now(), q)
+
+    # -- timeouts --------------------------------------------------------------------------
+
+    def _arm_timer(self, f: _Flight) -> None:
+        limit = self._limit(f)
+        if limit is not None:
+            f.timer = self.clock.call_at(f.progress + limit, self._check_timeout, f)
+
+    def _limit(self, f: _Flight) -> float | None:
+        s = self.config.server
+        return s.first_token_timeout_s if f.first is None else s.token_timeout_s
+
+    def _check_timeout(self, f: _Flight) -> None:
+        if f.id not in self._flights:
+            return
+        limit = self._limit(f)
+        if limit is None:
+            return
+        now = self.clock.now()
+        if now < f.progress + limit:
+            f.timer = self.clock.call_at(f.progress + limit, self._check_timeout, f)
+            return
+        self.counters["timeouts"] += 1
+        node = (f.decode if f.first is not None else f.prefill) or "-"
+        what = "no output" if f.first is not None else "no first token"
+        log.warning("request_timeout", request=f.id, node=node, waited=limit, what=what)
+        for n in {f.prefill, f.decode} - {None}:
+            self.drivers[n].abort(f.id)
+        self._fail(f, EngineError(node, f"{what} within {limit:g} s", timeout=True))
+
+    # -- hints -----------------------------------------------------------------------------
+
+    def _flush_hints(self) -> None:
+        for node, delta in self.directory.take_all_hints():
+            self.drivers[node].push_hints(delta)
+
+    # -- the planner and phase switches -----------------------------------------------------
+
+    def _schedule_tick(self) -> None:
+        when = max(self.planner.window_end, self.clock.now() + 1e-3)
+        self._tick = self.clock.call_at(when, self._on_tick)
+
+    def _on_tick(self) -> None:
+        now = self.clock.now()
+        try:
+            if self.planner.warming_up:
+                self._finish_warmup(now, Split.of(self.nodes, self.initial_prefill),
+                                    "warm-up over: initial split")
+            else:
+                decision = self.planner.decide(now)
+                self.last_decision = decision
+                self.router.set_models(self.planner.models.values())
+                if decision.chosen is not None:
+                    self._apply(decision.chosen, now, decision.reason)
+        finally:
+            self._schedule_tick()
+
+    def _finish_warmup(self, now: float, split: Split, reason: str) -> None:
+        """E.3 line 1: fit and freeze the models, then leave the collocated mode."""
+        reports = self.planner.finish_warmup(now)
+        self.router.set_models(self.planner.models.values())
+        if split != self.planner.split:
+            self.planner.switch_to(split, now)
+        self._apply(split, now, reason)
+        log.info("warmup_finished", usable=[r.node for r in reports if r.usable],
+                 unusable={r.node: r.problems for r in reports if not r.usable})
+
+    def force_split(self, prefill: list[NodeId]) -> Split:
+        """An operator's split (``POST /v1/evinfra/split``); during the warm-up it ends the
+        warm-up now. Raises :class:`RequestError` for a split the cluster cannot take."""
+        unknown = sorted(set(prefill) - set(self.nodes))
+        if unknown:
+            raise RequestError(f"unknown nodes {unknown}", param="prefill")
+        split = Split.of(self.nodes, prefill)
+        if not split.prefill or not split.decode:
+            raise RequestError("a split needs at least one prefill and one decode node",
+                               param="prefill")
+        if self._switching:
+            raise RequestError(f"{sorted(self._switching)} still switching: try again when "
+                               "they are done", status=409)
+        now = self.clock.now()
+        if self.planner.warming_up:
+            self._finish_warmup(now, split, "forced by an operator")
+        else:
+            self.planner.switch_to(split, now)
+            self._apply(split, now, "forced by an operator")
+        return split
+
+    def _apply(self, split: Split, now: float, reason: str) -> None:
+        """Switch the nodes whose phase differs (paper 4.2): stop routing their old phase,
+        withdraw their queued requests, and switch each engine once it has drained."""
+        self.counters["switches"] += 1
+        self.bus.publish(SplitChanged(now, list(split.prefill), list(split.decode), reason))
+        log.info("split_change", split=split.label, reason=reason)
+        for node in self.nodes:
+            phase = Phase.PREFILL if node in split.prefill else Phase.DECODE
+            if self.router.phase(node) is phase and self.router.draining(node) is None:
+                continue
+            collocated = self.router.phase(node) is Phase.COLLOCATED
+            for rid in self.router.begin_switch(node, phase):
+                self.drivers[node].withdraw(rid)
+            if collocated:
+                # Serving both phases already: the engine finishes its other-phase work and
+                # switches by itself; the router routes it by its new phase at once.
+                self.directory.switch_phase(node, phase)
+                self.drivers[node].switch_phase(phase)
+            else:
+                self._switching[node] = phase
+        self._check_drains()
+
+    def _check_drains(self) -> None:
+        for node, phase in list(self._switching.items()):
+            if self.router.drained(node):
+                del self._switching[node]
+                self.drivers[node].switch_phase(phase)
+
+    # -- status ----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        p, d = self.router.split()
+        nodes = {}
+        for n in self.nodes:
+            view = self.router.node_view(n)
+            state = self.router._nodes[n].state
+            if state is not None:
+                view.update(l1_used=state.l1_used, l1_capacity=state.l1_capacity,
+                            l2_used=state.l2_used, l2_capacity=state.l2_capacity,
+                            reported_at=state.time)
+            nodes[n] = view
+        return {
+            "time": self.clock.now(),
+            "split": {"prefill": p, "decode": d, "label": f"{len(p)}P{len(d)}D",
+                      "collocated": sorted(n for n in self.nodes
+                                           if self.router.phase(n) is Phase.COLLOCATED),
+                      "switching": {n: ph.value for n, ph in self._switching.items()}},
+            "warming_up": self.planner.warming_up,
+            "warmup_until": self.planner.warmup_end,
+            "next_decision_at": self.planner.window_end,
+            "in_flight": len(self._flights),
+            "counters": dict(self.counters),
+            "nodes": nodes,
+            "directory": self.directory.summary(),
+            "planner": {
+                "last_decision": msgspec.to_builtins(self.last_decision)
+                if self.last_decision else None,
+                "fits": {n: msgspec.to_builtins(r) for n, r in self.planner.fits.items()},
+            },
+            "bus_errors": self.bus.errors,
+        }
+
+    def branch_counts(self, branch: BranchId) -> dict[NodeId, int]:
+        """How many blocks the branch counts on each node (for tests and debugging)."""
+        if branch not in self.directory.branches:
+            raise UnknownBranchError(branch)
+        return {self.directory.nodes[i]: len(self.directory.branches.counted(branch, i))
+                for i in self.directory.branches.nodes_of(branch)}
+

@@ -1,0 +1,54 @@
+"""An in-process service with its HTTP app on a test server (wall clock, fake engines)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from evinfra.api import build_app
+from evinfra.api.tokenizer import ByteTokenizer
+from evinfra.config import parse_config
+from evinfra.core.clock import WallClock
+from evinfra.service import Service
+
+BASE = {
+    "server": {"max_body_bytes": 200_000, "first_token_timeout_s": 5.0, "token_timeout_s": 2.0},
+    "cluster": {"nodes": [{"name": f"n{i}"} for i in range(4)], "initial_prefill": 2},
+    # Fast fake engines: a test waits milliseconds, not the paper's seconds.
+    "fake": {"c0": 0.001, "c1": 1e-6, "c2": 1e-12, "d0": 0.001, "d1": 0.001, "d2": 1e-5,
+             "switch_latency": 0.01, "heartbeat_s": 0.2},
+    "planner": {"t_learn": 3600.0},
+}
+
+
+def merged(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+@pytest.fixture
+def config_overrides() -> dict:
+    return {}
+
+
+@pytest.fixture
+async def service(config_overrides):
+    config = parse_config(merged(BASE, config_overrides))
+    svc = Service.from_config(config, WallClock())
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+@pytest.fixture
+async def client(service):
+    app = build_app(service, ByteTokenizer())
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+def body(**kw) -> bytes:
+    return msgspec.json.encode(kw)

@@ -1,0 +1,102 @@
+"""Bad input gets a 4xx with an OpenAI-style error, never a 5xx, and nothing accepted is lost."""
+
+import pytest
+
+from tests.api.conftest import body
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+async def expect(client, path, data, status, param=None, headers=None):
+    r = await client.post(path, data=data, headers=headers or {"Content-Type": "application/json"})
+    assert r.status == status, await r.text()
+    err = (await r.json())["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+async def test_malformed_json(client):
+    await expect(client, CHAT, b"{not json", 400)
+
+
+async def test_missing_fields(client):
+    await expect(client, CHAT, body(model="evinfra-fake"), 400, param="messages")
+    await expect(client, "/v1/completions", body(model="evinfra-fake"), 400, param="prompt")
+
+
+async def test_wrong_types(client):
+    await expect(client, CHAT, body(model="evinfra-fake", messages="hi"), 400, param="messages")
+    await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, max_tokens="ten"), 400,
+                 param="max_tokens")
+    await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, temperature=9), 400,
+                 param="temperature")
+    await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=[1, -2, 3]), 400,
+                 param="prompt")
+    await expect(client, CHAT, body(model="evinfra-fake", messages=[{"role": "robot", "content": "x"}]),
+                 400, param="messages[0].role")
+    await expect(client, CHAT, body(model="evinfra-fake", messages=MSG,
+                                    evinfra={"branch": "typo"}), 400)
+
+
+@pytest.mark.parametrize("n", [0, -5])
+async def test_max_tokens_must_be_positive(client, n):
+    await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, max_tokens=n), 400,
+                 param="max_tokens")
+
+
+async def test_context_too_long(client):
+    await expect(client, "/v1/completions",
+                 body(model="evinfra-fake", prompt=[1] * 10, max_tokens=10**9), 400,
+                 param="max_tokens")
+
+
+async def test_unknown_model(client):
+    err = await expect(client, CHAT, body(model="gpt-9", messages=MSG), 404, param="model")
+    assert err["code"] == "model_not_found"
+
+
+async def test_oversized_body(client):
+    await expect(client, CHAT, body(model="evinfra-fake",
+                                    messages=[{"role": "user", "content": "x" * 300_000}]), 413)
+
+
+async def test_unknown_branch_end_and_routes(client):
+    await expect(client, "/v1/branches/nope/end", b"", 404)
+    r = await client.get("/v1/nothing-here")
+    assert r.status == 404 and (await r.json())["error"]["type"]
+
+
+async def test_batched_prompts_and_n_are_refused(client):
+    await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=["a", "b"]), 400,
+                 param="prompt")
+    await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, n=2), 400, param="n")
+
+
+async def test_bad_split_requests(client):
+    await expect(client, "/v1/evinfra/split", body(prefill=["n0", "zz"]), 400, param="prefill")
+    await expect(client, "/v1/evinfra/split", body(prefill=["n0", "n1", "n2", "n3"]), 400)
+    await expect(client, "/v1/evinfra/split", body(prefil=["n0"]), 400)
+
+
+async def test_the_server_still_serves_after_all_that(client):
+    await test_malformed_json(client)
+    await test_oversized_body(client)
+    r = await client.post(CHAT, json={"model": "evinfra-fake", "messages": MSG, "max_tokens": 5})
+    assert r.status == 200, await r.text()
+    assert (await r.json())["usage"]["completion_tokens"] <= 5
+
+
+@pytest.mark.parametrize("config_overrides", [{"server": {"api_key": "k1", "admin_key": "k2"}}])
+async def test_keys_guard_inference_and_admin_routes(client):
+    r = await client.post(CHAT, json={"model": "evinfra-fake", "messages": MSG, "max_tokens": 3})
+    assert r.status == 401
+    r = await client.post(CHAT, json={"model": "evinfra-fake", "messages": MSG, "max_tokens": 3},
+                          headers={"Authorization": "Bearer k1"})
+    assert r.status == 200
+    r = await client.post("/v1/evinfra/split", json={"prefill": ["n0"]},
+                          headers={"Authorization": "Bearer k1"})
+    assert r.status == 401
+    assert (await client.get("/health")).status == 200

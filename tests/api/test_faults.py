@@ -1,0 +1,66 @@
+"""Engine faults: a crash fails (or re-routes) the node's requests and the service serves on;
+a stalled node trips a timeout instead of hanging a client."""
+
+import asyncio
+
+import pytest
+
+MODEL = "evinfra-fake"
+
+
+def engine(service, node):
+    return service.fake_cluster.engines[node]
+
+
+async def completion(client, prompt, max_tokens=8, stream=False, **kw):
+    return await client.post("/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "stream": stream, **kw})
+
+
+@pytest.mark.parametrize("config_overrides", [{"fake": {"d0": 0.02}}])
+async def test_a_crash_mid_decode_fails_the_request_and_the_rest_keeps_serving(client, service):
+    resp = await completion(client, "a long story " * 20, max_tokens=400, stream=True)
+    assert resp.status == 200
+    await resp.content.readline()  # the first chunk: the request is decoding
+    node = next(iter(service._flights.values())).decode
+    engine(service, node).crash()
+    body = (await resp.read()).decode()
+    assert '"error"' in body and node in body and body.rstrip().endswith("data: [DONE]")
+    d = service.directory
+    assert not d.tree.blocks_on(d.index(node))  # the node's KV is gone from the directory
+    for i in range(3):
+        r = await completion(client, f"still serving {i}")
+        assert r.status == 200, await r.text()
+        assert (await r.json())["usage"]["completion_tokens"] == 8
+    assert node not in {v.prefill for v in service._flights.values()}
+
+
+async def test_a_crash_before_the_prefill_starts_reroutes_the_request(client, service):
+    engine(service, "n0").stall()  # the first request goes to n0 (all idle, name order)
+    task = asyncio.ensure_future(completion(client, "rerouted please", max_tokens=5))
+    for _ in range(100):
+        if service._flights:
+            break
+        await asyncio.sleep(0.01)
+    (flight,) = service._flights.values()
+    assert flight.prefill == "n0"
+    engine(service, "n0").crash()
+    resp = await task
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["usage"]["completion_tokens"] == 5
+    assert service.counters["rerouted"] == 1
+
+
+@pytest.mark.parametrize("config_overrides", [{"server": {"first_token_timeout_s": 0.5}}])
+async def test_a_stalled_node_trips_a_timeout(client, service):
+    engine(service, "n0").stall()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    resp = await completion(client, "stuck")
+    assert resp.status == 504
+    err = (await resp.json())["error"]
+    assert err["type"] == "timeout" and "n0" in err["message"]
+    assert loop.time() - t0 < 3
+    engine(service, "n0").resume()
+    assert (await completion(client, "unstuck")).status == 200

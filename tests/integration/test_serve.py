@@ -1,0 +1,162 @@
+"""``evinfra serve`` as a real process on loopback, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = """
+[server]
+port = {port}
+shutdown_grace_s = 3.0
+[cluster]
+nodes = [{{ name = "n0" }}, {{ name = "n1" }}, {{ name = "n2" }}]
+initial_prefill = 1
+[fake]
+c0 = 0.002
+c1 = 1e-6
+d0 = 0.002
+d1 = 0.002
+d2 = 1e-5
+"""
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    cfg = tmp_path_factory.mktemp("serve") / "cluster.toml"
+    cfg.write_text(FAST.format(port=port))
+    proc = subprocess.Popen([sys.executable, "-m", "evinfra.cli", "serve", "--config", str(cfg),
+                             "--log-format", "json"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if get(base + "/ready")[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("server did not become ready: " + proc.communicate()[0][-3000:])
+    yield proc, base
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    _, base = server
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_and_completions_streaming_and_not(client):
+    chat = client.chat.completions.create(
+        model="evinfra-fake", messages=[{"role": "user", "content": "Say hello."}], max_tokens=12)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens <= 12 and chat.usage.prompt_tokens > 0
+    parts = list(client.chat.completions.create(
+        model="evinfra-fake", messages=[{"role": "user", "content": "Count."}], max_tokens=9,
+        stream=True, stream_options={"include_usage": True}))
+    assert parts[-1].usage is not None and parts[-1].usage.completion_tokens == len(
+        "".join(p.choices[0].delta.content or "" for p in parts if p.choices))
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] in ("stop", "length")
+    comp = client.completions.create(model="evinfra-fake", prompt=list(range(40, 140)),
+                                     max_tokens=7, extra_body={"ignore_eos": True})
+    assert comp.usage.completion_tokens == 7 and comp.choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="evinfra-fake", prompt="Once upon a time", max_tokens=6, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert len(text) == 6
+
+
+def test_second_request_of_a_branch_reuses_its_prefix(client):
+    headers = {"X-Evinfra-Branch-Id": "agent-1"}
+    history = [{"role": "system", "content": "You are a careful agent. " * 40},
+               {"role": "user", "content": "Step one."}]
+    first = client.chat.completions.create(model="evinfra-fake", messages=history, max_tokens=8,
+                                           extra_headers=headers)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "Step two."}]
+    second = client.chat.completions.create(model="evinfra-fake", messages=history, max_tokens=8,
+                                            extra_headers={**headers, "X-Evinfra-Branch-Final": "true"})
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_metrics_and_status_reflect_the_traffic(server, client):
+    _, base = server
+    client.completions.create(model="evinfra-fake", prompt="metrics please", max_tokens=3)
+    metrics = get(base + "/metrics")[1]
+    ok = [line for line in metrics.splitlines() if line.startswith('evinfra_requests_total{status="ok"}')]
+    assert ok and float(ok[0].split()[-1]) >= 1
+    assert "evinfra_directory_blocks" in metrics and "evinfra_node_phase" in metrics
+    status = json.loads(get(base + "/v1/evinfra/status")[1])
+    assert status["counters"]["ok"] >= 1
+    assert status["directory"]["blocks"] > 0
+    assert set(status["nodes"]) == {"n0", "n1", "n2"}
+
+
+def test_forced_split_over_http(server, client):
+    _, base = server
+    code, out = post(base + "/v1/evinfra/split", {"prefill": ["n1"]})
+    assert code == 200 and out["split"] == "1P2D"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        split = json.loads(get(base + "/v1/evinfra/status")[1])["split"]
+        if split["prefill"] == ["n1"] and not split["switching"] and not split["collocated"]:
+            break
+        time.sleep(0.05)
+    assert split["prefill"] == ["n1"] and split["decode"] == ["n0", "n2"]
+    out = client.completions.create(model="evinfra-fake", prompt="after the switch", max_tokens=4)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_sigterm_shuts_down_cleanly_within_the_grace(server, client):
+    proc, base = server
+    os.kill(proc.pid, signal.SIGTERM)
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=15)
+    assert proc.returncode == 0, out[-2000:]
+    assert time.monotonic() - t0 < 10
+    assert '"stopped"' in out

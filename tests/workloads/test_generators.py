@@ -1,0 +1,124 @@
+"""The generators: determinism, their documented shapes, and Fig. 2(c)'s contrast for ``cc``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from workload_fakes import INF, EchoBackend, stream
+
+from evinfra.workloads import (
+    CC, Call, Compact, OSWorld, Phase, Putnam, Runner, Spawn, make_workload,
+)
+
+GENERATORS = [Putnam, OSWorld, CC]
+
+
+def run(workload, agents: int, until: float, delay: float = 2.0, keep: bool = True):
+    backend = EchoBackend(delay=delay, keep=keep)
+    runner = Runner(backend, {workload.name: workload}, stop_at=until)
+    runner.closed_loop([Phase(INF, {workload.name: agents})])
+    backend.clock.run(until=until)
+    return backend, runner
+
+
+def ops(program, depth: int = 0):
+    """Every op of a program and, depth first, of the sub-agents it spawns."""
+    for op in program:
+        yield depth, op
+        if isinstance(op, Spawn):
+            yield from ops(op.program, depth + 1)
+
+
+@pytest.mark.parametrize("gen", GENERATORS)
+def test_same_seed_same_request_stream(gen):
+    a, _ = run(gen(seed=7), agents=6, until=900.0)
+    b, _ = run(gen(seed=7), agents=6, until=900.0)
+    c, _ = run(gen(seed=8), agents=6, until=900.0)
+    assert len(a.requests) > 30
+    assert stream(a) == stream(b)
+    assert stream(a) != stream(c)
+
+
+@pytest.mark.parametrize("gen", GENERATORS)
+def test_programs_do_not_depend_on_the_backend_timing(gen):
+    # Outputs are keyed by request id, so a request id must carry the same prompt whatever
+    # the latency: the program never sees time.
+    fast, _ = run(gen(seed=3), agents=4, until=900.0, delay=0.5)
+    slow, _ = run(gen(seed=3), agents=4, until=900.0, delay=4.0)
+    fast_by_id, slow_by_id = fast.by_id(), slow.by_id()
+    common = fast_by_id.keys() & slow_by_id.keys()
+    assert len(common) > 20
+    for rid in common:
+        x, y = fast_by_id[rid], slow_by_id[rid]
+        assert np.array_equal(x.tokens, y.tokens) and (x.max_tokens, x.final) == (
+            y.max_tokens, y.final)
+
+
+def test_registry_builds_the_generators():
+    assert isinstance(make_workload("cc", 1), CC)
+    assert make_workload("putnam", 2).agent(5).agent_id == "putnam-5"
+    with pytest.raises(Exception, match="unknown workload"):
+        make_workload("nope")
+
+
+def _work(runner: Runner) -> tuple[float, float]:
+    """Mean uncached input (h*'s complement) and mean output per request."""
+    recs = runner.records
+    uncached = np.mean([r.input_tokens - r.ideal_cached for r in recs])
+    return float(uncached), float(np.mean([r.max_tokens for r in recs]))
+
+
+def test_putnam_is_decode_heavy_and_osworld_prefill_heavy():
+    _, putnam = run(Putnam(1), agents=10, until=900.0, keep=False)
+    _, osworld = run(OSWorld(1), agents=10, until=900.0, keep=False)
+    p_in, p_out = _work(putnam)
+    o_in, o_out = _work(osworld)
+    assert p_out > 5 * p_in and 2_000 < p_out < 9_000
+    assert o_in > 5 * o_out and 100 <= o_out <= 400
+    # Putnam: one branch; OSWorld: some sub-agents.
+    assert all(r.parent_branch_id is None for r in putnam.records)
+    assert any(r.parent_branch_id is not None for r in osworld.records)
+
+
+def test_cc_shape():
+    cc = CC(seed=0)
+    systems = {cc.agent(i).root.system.tobytes() for i in range(40)}
+    assert 2 <= len(systems) <= 4  # agents share a few system prompt variants
+    assert all(8_000 <= len(s) // 4 <= 20_000 for s in systems)
+    calls = compactions = subagents = 0
+    for i in range(30):
+        for depth, op in ops(cc.agent(i).root.program):
+            if isinstance(op, Call) and op.tag not in ("compact",):
+                calls += 1
+                assert op.keep is not None and op.keep <= op.output  # thinking is dropped
+            compactions += isinstance(op, Compact)
+            subagents += isinstance(op, Spawn)
+    assert calls > 500 and subagents > 5
+    pauses = [op.seconds for i in range(30) for _, op in ops(cc.agent(i).root.program)
+              if type(op).__name__ == "Pause"]
+    tools = np.array(pauses)
+    assert 0.6 < np.mean((tools >= 2) & (tools <= 30)) and np.max(tools) > 60  # users: minutes
+
+
+def test_cc_reproduces_the_reuse_contrast_of_figure_2c():
+    """Fig. 2(c): after a long sub-agent call most of the prompt matches earlier KV; after a
+    compaction little does (only the system prompt precedes new content)."""
+    backend, runner = run(CC(seed=0), agents=60, until=3600.0, keep=False)
+    by_tag = defaultdict(list)
+    last_done = {}
+    waits = []
+    for rec in sorted(runner.records, key=lambda r: r.send_time):
+        share = rec.ideal_cached / rec.input_tokens
+        by_tag[rec.tag].append(share)
+        if rec.tag == "subagent":
+            waits.append((rec.send_time - last_done[rec.branch_id], share))
+        last_done[rec.branch_id] = rec.done_time
+    after_join = np.mean(by_tag["subagent"])
+    after_compaction = np.mean(by_tag["resume"])
+    assert len(by_tag["resume"]) >= 3 and len(by_tag["subagent"]) >= 50
+    assert after_join > 0.9
+    assert after_compaction < 0.7 and after_join - after_compaction > 0.3
+    long_waits = [share for wait, share in waits if wait > 300]
+    assert len(long_waits) >= 5 and np.mean(long_waits) > 0.9  # recency does not predict reuse

@@ -5,16 +5,23 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,sglang]'
 	touch $@
 
-.PHONY: install run test
+.PHONY: install run sglang-env test
 install: $(VENV)/.installed
+
+# Real SGLang 0.5.23 for CPU in its own venv, for tests/integration/test_sglang_*.py (idempotent:
+# about a second when up to date; 1-2 minutes and 1.9 GB the first time).
+SGLANG_VENV ?= .venv-sglang
+sglang-env:
+	bash scripts/install-sglang-cpu.sh $(SGLANG_VENV)
 
 # The main job: the control plane on the embedded default (nine fake engines), port 8000.
 run: install
 	$(VENV)/bin/evinfra serve --config etc/cluster.toml
 
 # pytest's "no tests collected" exit code (5) is a failure, as every other non-zero code.
-test: install
-	$(PY) -m pytest -q
+# EVINFRA_SGLANG_REQUIRED: the SGLang integration tests fail, rather than skip, without engines.
+test: install sglang-env
+	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q

@@ -1,0 +1,155 @@
+"""SGLang ``/generate`` for a PD pair: the bodies we send and the stream we read back (pure).
+
+SGLang PD serves one request on two engines: the client sends the *same* request to the
+prefill engine and to the decode engine, both carrying ``bootstrap_host`` and
+``bootstrap_port`` (the prefill engine's bootstrap server) and one ``bootstrap_room`` (a random
+63-bit id naming the pair). The decode engine's KV receiver meets the prefill engine's sender
+in that room; the prefill engine holds the request in its bootstrap queue until the decode side
+arrives, prefills, ships the KV and the first token, and answers with ``finish_reason``
+``length`` (0 tokens of its own). The decode engine streams every output token, the first
+included. We send token ids (``input_ids``): the front end tokenizes.
+
+Streams are SSE: ``data: {json}`` lines, then ``data: [DONE]``. A chunk's ``output_ids`` are
+all the tokens so far (``--incremental-streaming-output`` off, the default) or only the new
+ones (on); :class:`OutputCursor` handles both from ``meta_info.completion_tokens``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import msgspec
+
+from evinfra.drivers.base import Sampling
+
+__all__ = ["Bootstrap", "Chunk", "OutputCursor", "StreamError", "Finish", "generate_body",
+           "new_room", "parse_sse_line", "priority_for"]
+
+ROOM_BITS = 63
+
+
+def new_room() -> int:
+    """A fresh ``bootstrap_room``: random, so rooms of different control planes (or of a
+    request re-dispatched after a failure) never collide on an engine."""
+    return secrets.randbits(ROOM_BITS)
+
+
+class Bootstrap(msgspec.Struct, frozen=True):
+    """Where the decode side of a pair meets the prefill side."""
+
+    host: str
+    port: int
+    room: int
+
+
+def sampling_params(s: Sampling) -> dict[str, Any]:
+    p: dict[str, Any] = {"max_new_tokens": s.max_tokens, "temperature": s.temperature,
+                         "top_p": s.top_p, "ignore_eos": s.ignore_eos}
+    if s.stop_token_ids:
+        p["stop_token_ids"] = list(s.stop_token_ids)
+    if s.seed is not None:
+        p["sampling_seed"] = s.seed
+    return p
+
+
+def generate_body(tokens: Any, sampling: Sampling, rid: str, bootstrap: Bootstrap,
+                  priority: int | None = None) -> dict[str, Any]:
+    """The ``/generate`` body, identical for both engines of the pair but for ``rid``."""
+    body: dict[str, Any] = {
+        "input_ids": [int(t) for t in tokens],
+        "sampling_params": sampling_params(sampling),
+        "stream": True,
+        "rid": rid,
+        "bootstrap_host": bootstrap.host,
+        "bootstrap_port": bootstrap.port,
+        "bootstrap_room": bootstrap.room,
+    }
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+def priority_for(final: bool) -> int:
+    """Request priority for SGLang's priority eviction (``--radix-eviction-policy priority``):
+    its radix cache evicts the prefixes of low-priority requests first.
+
+    A request whose branch goes on will be continued, so its prefix is worth keeping (1); the
+    last request of a branch (a branch of one included) leaves KV its branch will not reuse
+    (0). Stock SGLang cannot follow branch counts (a prefix keeps the highest priority that
+    ever reached it, A.3); the count-aware hint call of the engine patch does."""
+    return 0 if final else 1
+
+
+# -- the stream back ----------------------------------------------------------------------
+
+
+class Finish(msgspec.Struct, frozen=True):
+    type: str
+    message: str | None = None
+    status_code: int | None = None
+    length: int | None = None
+
+
+class MetaInfo(msgspec.Struct, frozen=True):
+    id: str | None = None
+    finish_reason: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    e2e_latency: float | None = None
+
+
+class Chunk(msgspec.Struct, frozen=True):
+    output_ids: list[int] = []
+    meta_info: MetaInfo = MetaInfo()
+
+
+class StreamError(msgspec.Struct, frozen=True):
+    """``{"error": {...}}`` in a stream (SGLang reports errors raised after the response
+    started this way)."""
+
+    message: str
+    code: int | None = None
+
+
+class _ErrorBody(msgspec.Struct, frozen=True):
+    error: StreamError
+
+
+_chunk = msgspec.json.Decoder(Chunk)
+_error = msgspec.json.Decoder(_ErrorBody)
+
+DONE = object()
+
+
+def parse_sse_line(line: bytes) -> Chunk | StreamError | object | None:
+    """One line of the stream: a :class:`Chunk`, a :class:`StreamError`, ``DONE``, or None
+    (blank lines, comments). Raises ``msgspec.DecodeError``/``ValidationError`` for a data
+    line that is neither."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return DONE
+    if data.startswith(b'{"error"'):
+        return _error.decode(data).error
+    return _chunk.decode(data)
+
+
+class OutputCursor:
+    """New output tokens of a stream, whether chunks repeat all tokens so far or not."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def new_tokens(self, chunk: Chunk) -> list[int]:
+        ids = chunk.output_ids
+        total = chunk.meta_info.completion_tokens
+        if total and len(ids) == total and total >= self.sent:
+            new = ids[self.sent:]  # cumulative chunk
+        else:
+            new = ids  # incremental chunk
+        self.sent += len(new)
+        return list(new)

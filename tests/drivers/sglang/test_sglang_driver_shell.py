@@ -1,0 +1,202 @@
+"""The driver's I/O shell against a scripted fake SGLang HTTP server (no engine needed):
+refusals, streams, withdrawals and a dying engine become the right bus events."""
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from evinfra.core.bus import Bus
+from evinfra.core.clock import WallClock
+from evinfra.core.events import (NodeDown, NodeState, PhaseSwitched, PrefillDone, PrefillStarted,
+                                 RequestFailed, TokensOut, Withdrawn)
+from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
+from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
+from evinfra.drivers.sglang.pairs import PairBook
+
+from test_sglang_wire import LOADS, SERVER_INFO
+
+FAST = DriverSettings(poll_interval_s=0.05, down_after_s=0.3, discovery_timeout_s=2.0,
+                      finish_wait_s=0.5)
+
+
+class FakeEngine:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.generate = None  # async handler(request, body) -> response
+        self.aborted: list[str] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        info = {**SERVER_INFO, "kv_events": None, "disaggregation_mode": self.role}
+
+        def answer(body):
+            async def handler(request):
+                return web.json_response(body)
+            return handler
+
+        app.router.add_get("/server_info", answer(info))
+        app.router.add_get("/model_info", answer({"disaggregation_mode": self.role,
+                                                  "served_model_name": "m"}))
+        app.router.add_get("/v1/loads", answer(LOADS))
+        app.router.add_post("/generate", self._generate)
+        app.router.add_post("/abort_request", self._abort)
+        # A stopped engine drops its open streams at once (no graceful wait for handlers).
+        self.runner = web.AppRunner(app, shutdown_timeout=0.05)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def _generate(self, request):
+        return await self.generate(request, await request.json())
+
+    async def _abort(self, request):
+        self.aborted.append((await request.json())["rid"])
+        return web.Response()
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def sse(request, chunks):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for c in chunks:
+        await resp.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+        await asyncio.sleep(0.01)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def meta(n, finish=None, cached=0):
+    return {"finish_reason": finish, "prompt_tokens": 9, "completion_tokens": n,
+            "cached_tokens": cached}
+
+
+@pytest.fixture
+async def cluster():
+    bus, events = Bus(), []
+    for t in (PhaseSwitched, PrefillStarted, PrefillDone, TokensOut, RequestFailed, Withdrawn,
+              NodeDown, NodeState):
+        bus.subscribe(t, events.append)
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    await p.start()
+    await d.start()
+    pairs = PairBook()
+    drivers = {n: SGLangDriver(n, e.url, WallClock(), bus, pairs, 4, FAST)
+               for n, e in (("p", p), ("d", d))}
+    for drv in drivers.values():
+        await drv.start()
+    yield drivers, {"p": p, "d": d}, events
+    for drv in drivers.values():
+        await drv.stop()
+    for e in (p, d):
+        await e.stop()
+
+
+def of(events, t, **kw):
+    return [e for e in events if isinstance(e, t) and all(getattr(e, k) == v for k, v in kw.items())]
+
+
+async def until(pred, timeout=3.0):
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+ORDER = PrefillOrder("r1", np.arange(3, 12, dtype=np.uint32), [], [], Sampling(max_tokens=3))
+
+
+async def test_a_pd_pair_streams_tokens_and_reports_the_prefill(cluster):
+    drivers, engines, events = cluster
+    assert {e.node: e.phase for e in of(events, PhaseSwitched)} == {"p": "prefill", "d": "decode"}
+    rooms = []
+
+    async def prefill(request, body):
+        rooms.append((body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]))
+        return await sse(request, [{"output_ids": [7], "meta_info": meta(1, {"type": "length"}, 4)}])
+
+    async def decode(request, body):
+        rooms.append((body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]))
+        return await sse(request, [{"output_ids": [7], "meta_info": meta(1)},
+                                   {"output_ids": [7, 8], "meta_info": meta(2)},
+                                   {"output_ids": [7, 8, 9], "meta_info": meta(3, {"type": "length"})}])
+
+    engines["p"].generate, engines["d"].generate = prefill, decode
+    drivers["p"].submit_prefill(ORDER)
+    await until(lambda: of(events, PrefillStarted))
+    drivers["d"].submit_decode(DecodeOrder("r1", "p", ORDER.tokens, [], ORDER.sampling))
+    await until(lambda: of(events, TokensOut, finish="length"))
+    assert rooms[0] == rooms[1] and rooms[0][:2] == ("127.0.0.1", 44321)
+    assert [t for e in of(events, TokensOut) for t in e.tokens] == [7, 8, 9]
+    done = of(events, PrefillDone)[0]
+    assert (done.cached, done.computed) == (4, 5)
+    assert events.index(done) < events.index(of(events, TokensOut, finish="length")[0])
+    assert of(events, NodeState)  # the loads poller reports
+
+
+async def test_a_refused_prefill_has_not_started_and_says_why(cluster):
+    drivers, engines, events = cluster
+
+    async def refuse(request, body):
+        return web.json_response({"error": {"message": "server overloaded"}}, status=503)
+
+    engines["p"].generate = refuse
+    drivers["p"].submit_prefill(ORDER)
+    await until(lambda: of(events, RequestFailed))
+    f = of(events, RequestFailed)[0]
+    assert f.started is False and "HTTP 503: server overloaded" in f.error
+    assert not of(events, PrefillStarted)
+
+
+async def test_withdraw_before_the_engine_accepts(cluster):
+    drivers, engines, events = cluster
+    hold = asyncio.Event()
+
+    async def slow(request, body):
+        await hold.wait()
+        return web.Response()
+
+    engines["p"].generate = slow
+    drivers["p"].submit_prefill(ORDER)
+    await asyncio.sleep(0.1)
+    drivers["p"].withdraw("r1")
+    await until(lambda: of(events, Withdrawn))
+    await until(lambda: engines["p"].aborted)
+    hold.set()
+    await asyncio.sleep(0.1)
+    assert not of(events, RequestFailed) and not of(events, PrefillStarted)
+
+
+async def test_an_engine_that_dies_mid_stream_fails_its_requests_and_goes_down(cluster):
+    drivers, engines, events = cluster
+
+    async def accept_then_hang(request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(30)
+        return resp
+
+    engines["p"].generate = accept_then_hang
+    drivers["p"].submit_prefill(ORDER)
+    await until(lambda: of(events, PrefillStarted))
+    await engines["p"].stop()  # the engine is gone: its connections close, its port refuses
+    await until(lambda: of(events, NodeDown, node="p"))
+    await until(lambda: of(events, RequestFailed))
+    f = of(events, RequestFailed)[0]
+    assert f.node == "p" and f.started is True and f.error.startswith("p: ")
+    assert not drivers["p"].healthy() and drivers["d"].healthy()
+    # A later order on the dead node fails at once, as not started (the service may reroute).
+    events.clear()
+    drivers["p"].submit_prefill(PrefillOrder("r2", ORDER.tokens, [], [], ORDER.sampling))
+    await until(lambda: of(events, RequestFailed))
+    assert of(events, RequestFailed)[0].started is False
+    engines["p"].runner = web.AppRunner(web.Application())  # for the fixture's cleanup
+    await engines["p"].runner.setup()

@@ -1,0 +1,154 @@
+"""Real SGLang 0.5.23 engines on CPU, started and stopped by the integration tests.
+
+Each engine runs ``python -m sglang.launch_server`` from the separate SGLang venv (built by
+``scripts/install-sglang-cpu.sh``) in its own process group, so stopping it kills the scheduler
+and detokenizer children too. Flags are the verified CPU recipe of ``shared/sglang-cpu.md``;
+every port is picked free on 127.0.0.1 and every socket binds loopback only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+SHADOW = HERE / "shadow"
+
+PAGE_SIZE = 4
+MAX_TOTAL_TOKENS = 4096
+SERVED_NAME = "tiny-llama"
+
+
+def sglang_python() -> Path:
+    """The SGLang venv's interpreter (``EVINFRA_SGLANG_VENV`` or ``.venv-sglang``)."""
+    venv = Path(os.environ.get("EVINFRA_SGLANG_VENV") or REPO / ".venv-sglang")
+    if not venv.is_absolute():
+        venv = REPO / venv  # as the Makefile names it: relative to the repository
+    return venv / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """One SGLang server process (a PD engine with role switch enabled)."""
+
+    def __init__(self, name: str, role: str, model_dir: Path, log_dir: Path) -> None:
+        self.name = name
+        self.role = role
+        self.model_dir = model_dir
+        self.log_path = log_dir / f"sglang-{name}.log"
+        self.port = free_port()
+        self.kv_port = free_port()
+        self.replay_port = free_port()
+        self.bootstrap_port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        kv = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_port}", "bind": True,
+              "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
+        return [
+            str(sglang_python()), "-m", "sglang.launch_server",
+            "--model-path", str(self.model_dir), "--served-model-name", SERVED_NAME,
+            "--load-format", "dummy", "--device", "cpu",
+            "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--grammar-backend", "none", "--disable-cuda-graph", "--disable-overlap-schedule",
+            "--page-size", str(PAGE_SIZE), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--kv-events-config", json.dumps(kv),
+            "--disaggregation-mode", self.role,
+            "--disaggregation-transfer-backend", "mooncake_tcp",
+            "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+            "--disaggregation-decode-retraction-backup", "cpu_tensor",
+            "--enable-pd-role-switch",
+            # Keep the radix cache in both roles: SGLang disables it on decode engines by
+            # default, and an engine launched as decode would prefill without one after a
+            # switch.
+            "--disaggregation-decode-enable-radix-cache",
+        ]
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(SHADOW),
+                   TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("VIRTUAL_ENV", None)
+        log = open(self.log_path, "ab")
+        log.write(f"\n=== start {self.name} ({self.role}) at {time.ctime()}\n".encode())
+        log.flush()
+        # A new session: the engine and the children it forks form one process group that
+        # stop()/kill() end together.
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, cwd=str(self.model_dir),
+                                     start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"SGLang engine {self.name} exited during start; see "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"SGLang engine {self.name} not healthy after {timeout:g} s; see "
+                           f"{self.log_path}:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash, as the tests want it)."""
+        self._signal_group(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if not self.alive():
+            self._signal_group(signal.SIGKILL)  # stray children of a dead leader
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            print(f"warning: SGLang engine {self.name} (pid {self.proc.pid}) did not exit",
+                  file=sys.stderr)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # the group id is the leader's pid (new session)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

@@ -1,0 +1,136 @@
+"""``evinfra serve`` (the command line, a separate process) in front of a real SGLang PD pair:
+the ``openai`` client's chat and completion requests, streaming and not, go through the
+prefill engine and the decode engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import sglang_config, toml_text
+from engines import SERVED_NAME, free_port
+
+pytestmark = pytest.mark.sglang
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def serve(engines, model_dir, tmp_path_factory):
+    port = free_port()
+    cfg = tmp_path_factory.mktemp("serve") / "sglang.toml"
+    cfg.write_text(toml_text(sglang_config(engines, model_dir, port)))
+    log = open(cfg.parent / "evinfra.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "evinfra.cli", "serve", "--config", str(cfg),
+         "--log-format", "json"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("evinfra serve exited:\n"
+                                   + (cfg.parent / "evinfra.log").read_text()[-3000:])
+            try:
+                if _get(url + "/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("evinfra serve not ready in 60 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(serve):
+    from openai import OpenAI
+
+    return OpenAI(base_url=serve + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _nodes(serve: str) -> dict:
+    return _get(serve + "/v1/evinfra/status")[1]["nodes"]
+
+
+def test_chat_completion(client, serve):
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "Plan the change, then edit."}],
+        max_tokens=12, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1
+    assert r.usage.prompt_tokens > 8
+    status = _get(serve + "/v1/evinfra/status")[1]
+    assert status["split"]["prefill"] == ["a"] and status["split"]["decode"] == ["b"]
+    assert status["counters"]["ok"] >= 1
+
+
+def test_chat_completion_stream(client):
+    stream = client.chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "Stream a short answer."}],
+        max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    finishes, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            if chunk.choices[0].finish_reason:
+                finishes.append(chunk.choices[0].finish_reason)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert finishes and finishes[-1] in ("stop", "length")
+    assert usage is not None and usage.completion_tokens >= 1
+
+
+def test_completion_exact_length(client):
+    """``ignore_eos`` makes the decode engine produce exactly ``max_tokens``."""
+    r = client.completions.create(model=SERVED_NAME, prompt="The router sends each request",
+                                  max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 16
+
+
+def test_completion_stream_token_ids(client):
+    prompt = list(range(3, 3 + 23))
+    chunks = list(client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=8,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    # Both engines load identical dummy weights: the same prompt gives the same text again.
+    again = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == text
+
+
+def test_bad_request_is_a_clear_400(client):
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=0)
+    assert "max_tokens" in str(e.value)

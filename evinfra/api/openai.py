@@ -177,15 +177,23 @@ class OpenAIRoutes:
             prompt = int(tokens.size)
             if body.stream:
                 return await self._stream(request, rid, body, channel, stops, chat, prompt)
-            return await self._whole(rid, channel, stops, chat, prompt)
+            return await self._whole(rid, body, channel, stops, chat, prompt)
         except (asyncio.CancelledError, ConnectionResetError):
             self.service.abort(rid)
             raise
 
     async def _outputs(self, rid: str, channel: _Channel, stops: list[str]):
-        """Yields ``("text", delta)`` then ``("done", record, finish)``; raises the error."""
+        """Yields ``("text", delta, ids)`` then ``("done", record, finish, all_ids, ids)``,
+        ``ids`` the output token ids not yielded before; raises the request's error."""
         detok = _Detokenizer(self.tok)
         longest = max((len(s) for s in stops), default=0)
+        sent = 0
+
+        def new_ids() -> list[int]:
+            nonlocal sent
+            ids, sent = detok.ids[sent:], len(detok.ids)
+            return ids
+
         while True:
             item = await channel.queue.get()
             if isinstance(item, list):
@@ -197,22 +205,22 @@ class OpenAIRoutes:
                         cut = min(hits)
                         keep = cut - (len(detok.text) - len(delta))
                         if keep > 0:
-                            yield "text", delta[:keep]
+                            yield "text", delta[:keep], new_ids()
                         self.service.abort(rid)  # its record arrives synchronously
                         record = None
                         while not channel.queue.empty():
                             it = channel.queue.get_nowait()
                             if isinstance(it, tuple):
                                 record = it[0]
-                        yield "done", record, "stop", detok.ids
+                        yield "done", record, "stop", detok.ids, new_ids()
                         return
                 if delta:
-                    yield "text", delta
+                    yield "text", delta, new_ids()
                 continue
             record, error = item
             if error is not None:
                 raise error
-            yield "done", record, record.finish or "stop", detok.ids
+            yield "done", record, record.finish or "stop", detok.ids, new_ids()
             return
 
     def _usage(self, record: RequestDone | None, prompt: int, completion: int) -> dict:
@@ -221,7 +229,7 @@ class OpenAIRoutes:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def _whole(self, rid: str, channel: _Channel, stops: list[str], chat: bool,
+    async def _whole(self, rid: str, body, channel: _Channel, stops: list[str], chat: bool,
                      prompt: int) -> web.Response:
         text: list[str] = []
         record, finish, ids = None, "stop", []
@@ -229,12 +237,14 @@ class OpenAIRoutes:
             if item[0] == "text":
                 text.append(item[1])
             else:
-                _, record, finish, ids = item
+                _, record, finish, ids, _ = item
         usage = self._usage(record, prompt, len(ids))
         content = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content},
                    "finish_reason": finish, "logprobs": None} if chat else
                   {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+        if body.return_token_ids:
+            choice["token_ids"] = ids
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.model.name, "choices": [choice],
@@ -248,7 +258,8 @@ class OpenAIRoutes:
         obj = "chat.completion.chunk" if chat else "text_completion"
         enc = msgspec.json.encode
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> bytes:
+        def chunk(delta: str | None, finish: str | None, role: bool = False,
+                  ids: list[int] | None = None) -> bytes:
             if chat:
                 d: dict = {}
                 if role:
@@ -259,6 +270,8 @@ class OpenAIRoutes:
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish,
                           "logprobs": None}
+            if body.return_token_ids and ids is not None:
+                choice["token_ids"] = ids
             return b"data: " + enc({"id": rid, "object": obj, "created": created,
                                     "model": self.model.name, "choices": [choice]}) + b"\n\n"
 
@@ -274,10 +287,10 @@ class OpenAIRoutes:
         try:
             while True:
                 if item[0] == "text":
-                    await resp.write(chunk(item[1], None))
+                    await resp.write(chunk(item[1], None, ids=item[2]))
                 else:
-                    _, record, finish, ids = item
-                    await resp.write(chunk(None if chat else "", finish))
+                    _, record, finish, ids, rest = item
+                    await resp.write(chunk(None if chat else "", finish, ids=rest))
                     opts = body.stream_options
                     if opts is not None and opts.include_usage:
                         await resp.write(b"data: " + enc({

@@ -43,6 +43,9 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     """Generate exactly ``max_tokens`` (SGLang and vLLM accept it; replay uses it)."""
     evinfra: AgentHints | None = None
+    return_token_ids: bool = False
+    """Add the output token ids to each choice (``token_ids``), as vLLM does: a replay client
+    needs them to build the next prompt exactly."""
 
 
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):

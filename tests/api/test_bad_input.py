@@ -1,5 +1,7 @@
 """Bad input gets a 4xx with an OpenAI-style error, never a 5xx, and nothing accepted is lost."""
 
+import json
+
 import pytest
 
 from tests.api.conftest import body
@@ -100,3 +102,19 @@ async def test_keys_guard_inference_and_admin_routes(client):
                           headers={"Authorization": "Bearer k1"})
     assert r.status == 401
     assert (await client.get("/health")).status == 200
+
+
+async def test_return_token_ids_streaming_and_not(client):
+    r = await client.post("/v1/completions", json={"model": "evinfra-fake", "prompt": [65, 66, 67],
+                                                   "max_tokens": 6, "ignore_eos": True,
+                                                   "return_token_ids": True})
+    choice = (await r.json())["choices"][0]
+    assert len(choice["token_ids"]) == 6 and bytes(choice["token_ids"]).decode() == choice["text"]
+    r = await client.post("/v1/completions", json={"model": "evinfra-fake", "prompt": [65, 66, 67],
+                                                   "max_tokens": 6, "ignore_eos": True,
+                                                   "return_token_ids": True, "stream": True})
+    ids = []
+    async for line in r.content:
+        if line.startswith(b"data: {"):
+            ids += json.loads(line[6:])["choices"][0].get("token_ids", [])
+    assert len(ids) == 6

@@ -15,7 +15,7 @@ a request that cannot go on fails on its own sink.
 from __future__ import annotations
 
 import itertools
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -42,8 +42,8 @@ log = structlog.get_logger(__name__)
 class RequestSink(Protocol):
     """Where a request's output goes (an HTTP response, a simulated agent)."""
 
-    def tokens(self, tokens: list[int]) -> None:
-        """New output tokens."""
+    def tokens(self, tokens: Sequence[int]) -> None:
+        """New output tokens (a list or a uint32 numpy array, read only)."""
 
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:
         """The request is over: finished (``error`` None, ``record.finish`` set) or failed."""
@@ -281,7 +281,7 @@ class Service:
             self._set_decoding(self._decoding + 1)
             self._flush_hints()
         f.out += len(ev.tokens)
-        if ev.tokens:
+        if len(ev.tokens):
             f.sink.tokens(ev.tokens)
         if ev.finish is not None:
             f.finish = ev.finish
@@ -418,14 +418,18 @@ class Service:
             if self.planner.warming_up:
                 self._finish_warmup(now, Split.of(self.nodes, self.initial_prefill),
                                     "warm-up over: initial split")
+            elif not self.config.planner.adapt:
+                return  # a fixed split: no window, no decision, no further tick
             else:
                 decision = self.planner.decide(now)
                 self.last_decision = decision
+                self.bus.publish(decision)
                 self.router.set_models(self.planner.models.values())
                 if decision.chosen is not None:
                     self._apply(decision.chosen, now, decision.reason)
         finally:
-            self._schedule_tick()
+            if self.planner.warming_up or self.config.planner.adapt:
+                self._schedule_tick()
 
     def _finish_warmup(self, now: float, split: Split, reason: str) -> None:
         """E.3 line 1: fit and freeze the models, then leave the collocated mode."""

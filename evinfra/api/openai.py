@@ -37,8 +37,8 @@ class _Channel:
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def tokens(self, tokens: list[int]) -> None:
-        self.queue.put_nowait(tokens)
+    def tokens(self, tokens) -> None:
+        self.queue.put_nowait([int(t) for t in tokens])
 
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:
         self.queue.put_nowait((record, error))

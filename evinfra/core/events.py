@@ -11,7 +11,7 @@ real engines. Decoding validates; a batch with one bad event keeps its good ones
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Sequence, Union
 
 import msgspec
 
@@ -228,12 +228,15 @@ class PrefillDone(msgspec.Struct, frozen=True, gc=False):
 
 
 class TokensOut(msgspec.Struct, frozen=True, gc=False):
-    """New output tokens of ``request``; ``finish`` is None until the last batch."""
+    """New output tokens of ``request``; ``finish`` is None until the last batch.
+
+    ``tokens`` is a list of ids or a uint32 numpy array (the fake engines hand out slices of
+    the output they planned, so a simulation never converts them)."""
 
     request: str
     node: str
     time: float
-    tokens: list[int]
+    tokens: Sequence[int]
     finish: str | None = None
 
 

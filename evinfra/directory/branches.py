@@ -73,6 +73,7 @@ class BranchTable:
         self._phase: list[Phase] = []
         self._became_pos: list[set[BlockHash]] = []
         self._became_zero: list[set[BlockHash]] = []
+        self._hinted: set[int] = set()  # nodes whose hint sets may be non-empty
         for p in phases:
             self.add_node(p)
 
@@ -251,11 +252,12 @@ class BranchTable:
         """Blocks whose count on ``node`` crossed zero since the last call."""
         pos, zero = self._became_pos[node], self._became_zero[node]
         self._became_pos[node], self._became_zero[node] = set(), set()
+        self._hinted.discard(node)
         return HintDelta(sorted(pos), sorted(zero))
 
     def hinted_nodes(self) -> list[int]:
-        """Nodes with hints waiting to be taken."""
-        return [n for n, (p, z) in enumerate(zip(self._became_pos, self._became_zero)) if p or z]
+        """Nodes with hints waiting to be taken (ascending)."""
+        return sorted(self._hinted)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -273,6 +275,7 @@ class BranchTable:
                 self._became_zero[node].discard(h)
             else:
                 self._became_pos[node].add(h)
+            self._hinted.add(node)
 
     def _dec(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
         r = R[h]
@@ -287,6 +290,7 @@ class BranchTable:
             self._became_pos[node].discard(h)
         else:
             self._became_zero[node].add(h)
+        self._hinted.add(node)
 
     def _trim(self, b: _Branch, node: int, keep: int) -> None:
         """``Count(β, n, C[β, n] ∩ π_new)`` where ``π_new`` shares ``keep`` leading blocks."""

@@ -110,8 +110,12 @@ class Directory:
 
     def take_all_hints(self) -> list[tuple[NodeId, HintDelta]]:
         """Every node's waiting hints (nodes without any are left out)."""
-        return [(self.tree.node_name(i), self.branches.take_hints(i))
-                for i in self.branches.hinted_nodes()]
+        out = []
+        for i in self.branches.hinted_nodes():
+            delta = self.branches.take_hints(i)
+            if delta.positive or delta.zero:  # crossings that cancelled leave nothing to say
+                out.append((self.tree.node_name(i), delta))
+        return out
 
     def positive_blocks(self, node: NodeId) -> list[BlockHash]:
         """Every block with ``R[b, n] > 0``: the full hint, for an engine's resync."""

@@ -52,6 +52,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     t_fwd: PosInt = 2
     """Tokens a running request feeds each decode iteration (5.1). The paper gives 6 for
     DeepSeek-V4-Flash (App. B.1) and only "MTP" for GLM-5.2 (6.1); 2 is one draft token."""
+    adapt: bool = True
+    """False keeps the split the warm-up ends with: the fixed-split ablation (6.4, Fig. 8b)
+    and the static-split sweeps. The models are still fitted (the router needs them)."""
 
     def __post_init__(self) -> None:
         if self.experts_per_token > self.routed_experts:
@@ -353,7 +356,7 @@ class Planner:
         self.models = {r.node: r.model for r in reports}
         self._fitters = {r.node: self._fitters[r.node] for r in reports if not r.usable}
         for r in reports:
-            (log.info if r.usable else log.warning)("planner_fit", **msgspec.to_builtins(r))
+            _log_fit(r)
         self._window = Window(now, self.config.t_win, self.config.m, self._q)
         return reports
 
@@ -416,7 +419,7 @@ class Planner:
             self.models[node] = report.model
             if report.usable:
                 del self._fitters[node]
-                log.info("planner_fit", **msgspec.to_builtins(report))
+                _log_fit(report)
         measured = window.remeasure({n: (x.t_bar, x.f) for n, x in self.models.items()})
         self.models = {n: x.remeasured(*measured[n]) for n, x in self.models.items()}
 
@@ -429,3 +432,15 @@ class Planner:
             return "no usable model for " + "; ".join(
                 f"{n}: {'; '.join(self.fits[n].problems)}" for n in unusable)
         return None
+
+
+def _log_fit(r: FitReport) -> None:
+    """One line per node: the coefficients of a usable fit, or why a fit is not usable (the
+    whole report is served by the status API)."""
+    if r.usable:
+        m = r.model
+        log.info("planner_fit", node=r.node, c=[m.c0, m.c1, m.c2, m.c3], d=[m.d0, m.d1, m.d2],
+                 prefill_error=r.prefill_error, decode_error=r.decode_error,
+                 records=[r.prefill_records, r.decode_records])
+    else:
+        log.warning("planner_fit_unusable", node=r.node, problems=r.problems)

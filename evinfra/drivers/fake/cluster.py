@@ -18,6 +18,7 @@ from evinfra.core.types import BlockHash, NodeId, Phase, RequestId
 from evinfra.drivers.fake.config import FakeEngineConfig
 from evinfra.drivers.fake.driver import FakeDriver
 from evinfra.drivers.fake.engine import FakeEngine
+from evinfra.drivers.fake.outputs import OutputPlanner
 from evinfra.drivers.fake.pages import OutputPages
 
 __all__ = ["FakeCluster"]
@@ -31,6 +32,7 @@ class FakeCluster:
         self.config = config
         self.clock = clock
         self.pages = OutputPages(config.page_size)
+        self.outputs = OutputPlanner(seed, config.output_vocab)
         self.engines: dict[NodeId, FakeEngine] = {
             node: FakeEngine(node, phase, config, clock, bus, self, seed) for node, phase in nodes}
         self._pairs: dict[RequestId, tuple[NodeId, NodeId]] = {}  # request -> (source, target)

@@ -18,7 +18,6 @@ import structlog
 from evinfra.core.events import IterationReport, RequestFailed, TokensOut
 from evinfra.core.types import RequestId
 from evinfra.drivers.base import DecodeOrder
-from evinfra.drivers.fake.outputs import plan_output
 from evinfra.drivers.fake.records import DecodeRecord, DecodeState, Run
 
 __all__ = ["DecodeSide"]
@@ -36,8 +35,7 @@ class DecodeSide:
         if order.request in self._decodes:
             log.warning("fake_engine_duplicate_order", node=self.node, request=order.request)
             return
-        out, finish = plan_output(self.seed, order.request, order.sampling,
-                                  self.config.output_vocab)
+        out, finish = self.cluster.outputs.plan(order.request, order.sampling)
         d = DecodeRecord(order, self.config.page_size, out, finish)
         status = self.cluster.bind(d.request, d.source, self.node)
         if status is None:
@@ -202,7 +200,7 @@ class DecodeSide:
             self._run.batch.remove(d)
         del self._decodes[d.request]
         self._batch_changed = True
-        committed = np.concatenate([d.tokens, np.asarray(d.out[:-1], dtype=np.uint32)])
+        committed = np.concatenate([d.tokens, d.out[:-1]])
         pages = self.cluster.pages.hashes(d.path, committed)
         c.release(d.reserved)
         if pages:

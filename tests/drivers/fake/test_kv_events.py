@@ -91,7 +91,9 @@ def test_same_seed_same_event_stream() -> None:
     def stream(seed: int) -> bytes:
         h = Harness(seed=seed, noise=0.05, kv_drop=0.05, kv_reorder=0.05)
         _traffic(h, 8)
-        return msgspec.msgpack.encode([e for e in h.events if type(e) in EVENTS])
+        # Output tokens travel as numpy arrays on the bus: encode them as lists.
+        return msgspec.msgpack.encode([e for e in h.events if type(e) in EVENTS],
+                                      enc_hook=lambda o: o.tolist())
 
     assert stream(1) == stream(1)
     assert stream(1) != stream(2)

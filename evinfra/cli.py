@@ -1,6 +1,8 @@
 """``evinfra``: the command line.
 
     evinfra serve --config etc/cluster.toml [--host H] [--port P] [--log-format F]
+    evinfra simulate --config etc/cluster.toml --workload cc --agents 126 ... --out DIR
+    evinfra replay --target URL --workload cc --agents 8 --duration 60 --out DIR
 
 A bad config or argument prints one line and exits with status 2.
 """
@@ -89,6 +91,12 @@ async def _run_server(config, tokenizer) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from evinfra.workloads.replay import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from evinfra.logs import configure_logging
 
@@ -101,8 +109,45 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     s.set_defaults(func=_serve)
+
+    from evinfra.sim.command import add_parser as add_simulate
+
+    add_simulate(sub)
+
+    r = sub.add_parser("replay", help="drive an OpenAI-compatible endpoint with agent traffic")
+    r.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    r.add_argument("--api-key", default=None)
+    what = r.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workload", help="cc | putnam | osworld | shift")
+    what.add_argument("--trace", help="a trace file (see --format)")
+    r.add_argument("--format", default="mooncake", help="trace format: mooncake | agentic | trie")
+    load = r.add_mutually_exclusive_group()
+    load.add_argument("--agents", type=int, help="closed loop: agents kept running")
+    load.add_argument("--arrival-rate", type=float,
+                      help="open loop: agents per second (a trace without either: its times)")
+    r.add_argument("--max-active", type=int, default=None,
+                   help="open loop: admission cap (agents running at once)")
+    r.add_argument("--duration", type=float, required=True, help="seconds of (replayed) time")
+    r.add_argument("--speedup", type=float, default=1.0, help="compress pauses and arrivals")
+    r.add_argument("--model", default=None, help="model name (default: the target's first)")
+    r.add_argument("--api", choices=("completions", "chat"), default="completions",
+                   help="token-id prompts on /v1/completions, or chat messages")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    r.add_argument("--grace", type=float, default=30.0,
+                   help="wall seconds requests in flight at the end get to finish")
+    r.add_argument("--page-size", type=int, default=64, help="KV page size for the ideal h*")
+    r.add_argument("--token-range", default="1000:32000",
+                   help="LOW:HIGH ids of synthesized tokens; fit the target's vocabulary")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", required=True, help="directory for requests.jsonl and summary.json")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    r.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    # Bad arguments: one line and status 2 (argparse would print the usage first).
+    r.error = lambda message: r.exit(2, f"evinfra replay: error: {message}\n")
+    r.set_defaults(func=_replay)
     args = ap.parse_args(argv)
-    configure_logging(args.log_format, args.log_level)
+    configure_logging(getattr(args, "log_format", "auto"), getattr(args, "log_level", "warning"))
     try:
         return args.func(args)
     except EvinfraError as exc:

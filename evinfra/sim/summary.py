@@ -1,0 +1,112 @@
+"""The client-side summary of a run: what every request saw, over the scored window.
+
+One schema for the simulator's report and for a replay against a real endpoint, so the two
+compare side by side. Computed from the runner's :class:`~evinfra.workloads.RequestRecord`s:
+
+* throughput: requests finished in the window per second (paper C.4);
+* E2E and TTFT per request, including an open-loop agent's admission wait on its first
+  request (paper D.3); TPOT = (E2E − TTFT) / (output tokens − 1);
+* KV hit rate ``h`` (reused input tokens over input tokens), the ideal ``h*`` (every input
+  token whose KV an earlier request produced: an unlimited cache shared by all nodes, no
+  switches), and lost KV reuse ``1 − h/h*`` (paper 3, Fig. 3 and 6);
+* uncached input tokens per request.
+
+A request counts in the window when it finishes in it (throughput's definition), errors and
+requests cut by the end of the run are counted apart.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import msgspec
+import numpy as np
+
+from evinfra.workloads import RequestRecord
+
+__all__ = ["Latency", "Summary", "summarise"]
+
+
+class Latency(msgspec.Struct, frozen=True):
+    """Seconds: mean, median, 95th and 99th percentile (0 when there is no sample)."""
+
+    mean: float = 0.0
+    p50: float = 0.0
+    p95: float = 0.0
+    p99: float = 0.0
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> "Latency":
+        a = np.fromiter(values, dtype=float)
+        if not a.size:
+            return cls()
+        p50, p95, p99 = np.percentile(a, [50, 95, 99])
+        return cls(_r(a.mean()), _r(p50), _r(p95), _r(p99))
+
+
+def _r(x: float) -> float:
+    """Six significant digits: reports stay readable and byte-stable."""
+    return float(f"{float(x):.6g}")
+
+
+class Summary(msgspec.Struct, frozen=True):
+    start: float
+    end: float
+    requests: int
+    """Requests that finished ok in the window."""
+    errors: int
+    """Requests that failed in the window."""
+    unfinished: int
+    """Requests sent in the window that had no answer when the run ended."""
+    throughput: float
+    """Requests per second."""
+    output_tokens_per_s: float
+    e2e: Latency
+    ttft: Latency
+    tpot: Latency
+    prompt_tokens: int
+    cached_tokens: int
+    kv_hit_rate: float
+    """h: reused input tokens over input tokens."""
+    ideal_hit_rate: float
+    """h*: what an unlimited cache shared by every node, with no switches, would reuse."""
+    lost_kv_reuse: float
+    """1 - h/h*."""
+    uncached_tokens_per_request: float
+    cached_reported: bool
+    """Whether the target reported reused tokens at all (``h`` is 0 when it did not)."""
+
+
+def summarise(records: Iterable[RequestRecord], start: float, end: float) -> Summary:
+    ok: list[RequestRecord] = []
+    errors = unfinished = 0
+    for r in records:
+        if r.done_time is None:
+            if start <= r.send_time < end:
+                unfinished += 1
+            continue
+        if not start <= r.done_time < end:
+            continue
+        if r.status == "ok":
+            ok.append(r)
+        else:
+            errors += 1
+    span = max(end - start, 1e-9)
+    prompt = sum(r.input_tokens for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    ideal = sum(r.ideal_cached for r in ok)
+    h = cached / prompt if prompt else 0.0
+    h_star = ideal / prompt if prompt else 0.0
+    ttft = [r.queued + r.ttft for r in ok if r.ttft is not None]
+    e2e = [r.queued + r.e2e for r in ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok
+            if r.ttft is not None and r.output_tokens > 1]
+    out = sum(r.output_tokens for r in ok)
+    return Summary(
+        start=start, end=end, requests=len(ok), errors=errors, unfinished=unfinished,
+        throughput=_r(len(ok) / span), output_tokens_per_s=_r(out / span),
+        e2e=Latency.of(e2e), ttft=Latency.of(ttft), tpot=Latency.of(tpot),
+        prompt_tokens=prompt, cached_tokens=cached, kv_hit_rate=_r(h),
+        ideal_hit_rate=_r(h_star), lost_kv_reuse=_r(1 - h / h_star) if h_star else 0.0,
+        uncached_tokens_per_request=_r((prompt - cached) / len(ok)) if ok else 0.0,
+        cached_reported=any(r.cached_tokens is not None for r in ok))

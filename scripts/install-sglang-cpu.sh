@@ -36,6 +36,9 @@ WITH_DEPS=(
   "regex==2026.11.19" "tqdm==4.70.1" "packaging==26.4" "xxhash==4.1.0" "openai==2.8.0"
   "distro==1.9.0" "ipython==9.18.1" "dill==0.4.1" "loguru==0.7.3" "gguf==0.19.0"
   "jsonschema==4.26.0" "soundfile==0.13.1" "msgpack==1.2.4" "openai-harmony==0.0.4"
+  # The evinfra engine patch (evinfra/engine_patch, an SGLang plugin) imports evinfra inside
+  # the engine; structlog is the one evinfra dependency SGLang does not bring.
+  "structlog==26.1.0"
 )
 UV="uv==0.13.9"
 

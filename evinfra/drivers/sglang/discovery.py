@@ -13,6 +13,10 @@ Facts read (SGLang 0.5.23):
   decode engine's KV receiver meets this engine when it prefills.
 * ``/server_info`` keeps the *launch* role; ``/model_info`` (and ``/v1/loads``) show the current
   one after ``/pd_role_switch``.
+* An engine running the evinfra engine patch (``evinfra/engine_patch``) adds
+  ``evinfra_engine_patch`` (:class:`~evinfra.engine_patch.wire.PatchInfo`: in-place switch,
+  fetch plans, its pool address) and ``evinfra_count_hints`` (the hint path). Stock SGLang has
+  neither.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from evinfra.core.types import NodeId, Phase
+from evinfra.engine_patch.wire import FETCH_ACTION, FETCH_VERSION, PatchInfo
 from evinfra.errors import ConfigError
 
 __all__ = ["EngineInfo", "KVEventsDescriptor", "parse_engine_info"]
@@ -60,6 +65,7 @@ class _ServerInfo(msgspec.Struct):
     evinfra_count_hints: str | None = None
     """Path of the count-aware hint call of the evinfra engine patch, when it is loaded (stock
     SGLang has none: the field is absent)."""
+    evinfra_engine_patch: PatchInfo | None = None
 
 
 class _ModelInfo(msgspec.Struct):
@@ -95,6 +101,13 @@ class EngineInfo(msgspec.Struct, frozen=True):
     radix_cache: bool
     """False for a decode engine launched without ``--disaggregation-decode-enable-radix-cache``
     (SGLang's default): it keeps no KV for the next request of a branch."""
+    switch_in_place: bool = False
+    """The engine patch's switch: drains by itself and keeps the cache (no ``AllBlocksCleared``
+    to wait for)."""
+    fetch: bool = False
+    """The engine honours fetch plans (``kv_hints`` action ``evinfra.fetch``)."""
+    pool: str | None = None
+    """``host:port`` of the engine's pool server: what a peer's fetch plan names."""
 
 
 _server_decoder = msgspec.json.Decoder(_ServerInfo)
@@ -146,6 +159,7 @@ def parse_engine_info(node: NodeId, url: str, server_info: bytes, model_info: by
     replay_ep = (f"tcp://{wrap}:{kv.replay_endpoint_port_base}"
                  if kv is not None and kv.replay_endpoint_port_base else None)
     priority_allowed = si.enable_priority_scheduling or not si.abort_on_priority_when_disabled
+    patch = si.evinfra_engine_patch
     return EngineInfo(
         node=node, url=url.rstrip("/"), host=host, phase=phase,
         model=mi.served_model_name or si.served_model_name or mi.model_path or "?",
@@ -155,4 +169,7 @@ def parse_engine_info(node: NodeId, url: str, server_info: bytes, model_info: by
         max_total_tokens=si.max_total_num_tokens or 0,
         priority_eviction=si.radix_eviction_policy == "priority",
         priority_allowed=priority_allowed, hints_path=si.evinfra_count_hints,
-        version=si.version or "?", radix_cache=not si.disable_radix_cache)
+        version=si.version or "?", radix_cache=not si.disable_radix_cache,
+        switch_in_place=patch is not None and patch.switch_in_place,
+        fetch=patch is not None and patch.fetch_action == f"{FETCH_ACTION}/{FETCH_VERSION}",
+        pool=patch.pool if patch is not None else None)

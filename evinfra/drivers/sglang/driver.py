@@ -45,6 +45,8 @@ from evinfra.drivers.sglang.loads import LOADS_PATH, LoadsTracker, parse_loads
 from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, OutputCursor, StreamError,
                                              generate_body, parse_sse_line, priority_for)
+from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire, fetch_kv_hints,
+                                       restored_tokens)
 from evinfra.errors import EngineError
 
 __all__ = ["DriverSettings", "SGLangDriver"]
@@ -115,7 +117,8 @@ class SGLangDriver:
         self._engine_clears = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = {"prefills": 0, "decodes": 0, "failed": 0, "withdrawn": 0, "aborted": 0,
-                      "switches": 0, "fetch_plans_ignored": 0, "hints_sent": 0,
+                      "switches": 0, "fetch_plans_sent": 0, "fetch_plans_ignored": 0,
+                      "fetched_tokens": 0, "restored_tokens": 0, "hints_sent": 0,
                       "hints_unsupported": 0, "kv_batches": 0, "kv_resyncs": 0,
                       "state_reports": 0, "iteration_reports": 0}
 
@@ -133,11 +136,12 @@ class SGLangDriver:
             await self._session.close()
             raise
         self.phase = info.phase
-        self.pairs.register_engine(self.node, info.host, info.bootstrap_port)
+        self.pairs.register_engine(self.node, info.host, info.bootstrap_port, info.pool)
         log.info("sglang_engine", node=self.node, url=self.url, phase=info.phase.value,
                  model=info.model, version=info.version, kv_events=info.kv_endpoint,
                  replay=info.replay_endpoint, role_switch=info.role_switch,
-                 priority_eviction=info.priority_eviction, count_hints=info.hints_path)
+                 priority_eviction=info.priority_eviction, count_hints=info.hints_path,
+                 switch_in_place=info.switch_in_place, fetch=info.fetch, pool=info.pool)
         if not info.radix_cache:
             log.warning("sglang_no_radix_cache", node=self.node,
                         hint="launch with --disaggregation-decode-enable-radix-cache: without "
@@ -190,10 +194,6 @@ class SGLangDriver:
             self._publish_soon(RequestFailed(order.request, self.node, now,
                                              f"engine {self.node} is down", started=False))
             return
-        if order.fetch:
-            # Stock SGLang cannot pull KV from a peer's host memory (the engine patch can):
-            # the engine recomputes those blocks.
-            self.stats["fetch_plans_ignored"] += 1
         boot = self.pairs.open(order.request, self.node, now)
         f = _Flight(order.request, "prefill", f"{order.request}-p{boot.room:x}", self.node, boot)
         self._flights[(order.request, "prefill")] = f
@@ -250,9 +250,29 @@ class SGLangDriver:
             return priority_for(final)
         return None
 
+    def _fetch_hints(self, order: PrefillOrder) -> dict | None:
+        """The fetch plan as the patched engine takes it (``kv_hints``), peers named by their
+        pool servers; None for stock SGLang, which cannot pull KV from a peer's host memory
+        (the engine recomputes those blocks). A run from a peer without a pool ends the plan:
+        what follows could not attach to the prefix."""
+        if not order.fetch:
+            return None
+        runs = []
+        if self.info is not None and self.info.fetch:
+            for r in order.fetch:
+                peer = self.pairs.pool(r.peer)
+                if peer is None:
+                    break
+                runs.append(FetchRunWire(peer, r.start, list(r.blocks)))
+        if not runs:
+            self.stats["fetch_plans_ignored"] += 1
+            return None
+        self.stats["fetch_plans_sent"] += 1
+        return fetch_kv_hints(FetchPlan(self.page_size, runs), str(order.request))
+
     async def _run_prefill(self, f: _Flight, order: PrefillOrder) -> None:
         body = generate_body(order.tokens, order.sampling, f.rid, f.bootstrap,
-                             self._priority(order.final))
+                             self._priority(order.final), self._fetch_hints(order))
         done = False
         try:
             async with self._session.post(self.url + "/generate", json=body) as resp:
@@ -297,9 +317,15 @@ class SGLangDriver:
         meta = chunk.meta_info
         cached = min(meta.cached_tokens, meta.prompt_tokens)
         computed = meta.prompt_tokens - cached
-        self._loads.prefill_finished(f.request, computed, cached)
+        # The engine patch says how much of the cached prefix it pulled from peers and how
+        # much it loaded from host memory (t_rst of the iteration model); stock SGLang: 0.
+        fetched, restored = restored_tokens(meta.cached_tokens_details)
+        fetched, restored = min(fetched, cached), min(restored, cached)
+        self.stats["fetched_tokens"] += fetched
+        self.stats["restored_tokens"] += restored
+        self._loads.prefill_finished(f.request, computed, cached, restored)
         self.bus.publish(PrefillDone(f.request, self.node, self.clock.now(), cached=cached,
-                                     fetched=0, computed=computed))
+                                     fetched=fetched, computed=computed))
 
     async def _run_decode(self, f: _Flight, order: DecodeOrder) -> None:
         body = generate_body(order.tokens, order.sampling, f.rid, f.bootstrap,
@@ -414,6 +440,7 @@ class SGLangDriver:
             body["decode_cuda_graph_memory_gb"] = 0
         deadline = self.clock.now() + s.switch_retry_s
         clears_before = self._engine_clears
+        in_place = self.info is not None and self.info.switch_in_place
         while True:
             try:
                 async with self._session.post(
@@ -441,15 +468,35 @@ class SGLangDriver:
             # a node that cannot switch serves nothing, and says so.
             self._mark_down(f"role switch to {phase.value} refused: {answer.message}")
             return
-        waited = 0.0
-        while self._engine_clears == clears_before and waited < s.clear_wait_s:
-            await self._sleep(0.02)
-            waited += 0.02
+        if not in_place:
+            waited = 0.0
+            while self._engine_clears == clears_before and waited < s.clear_wait_s:
+                await self._sleep(0.02)
+                waited += 0.02
+        # (A patched engine drained by itself and kept its cache: nothing to wait for.)
         self.phase = phase
         self.stats["switches"] += 1
-        log.info("sglang_switched", node=self.node, phase=phase.value,
-                 cache_cleared=self._engine_clears != clears_before)
         self.bus.publish(PhaseSwitched(self.node, phase.value, self.clock.now()))
+        if in_place:
+            self._spawn(self._log_switch(phase))
+        else:
+            log.info("sglang_switched", node=self.node, phase=phase.value, in_place=False,
+                     cache_cleared=self._engine_clears != clears_before)
+
+    async def _log_switch(self, phase: Phase) -> None:
+        """Log the patched engine's own record of the switch it just made (its drain and
+        switch time, measured from the moment it took the decision)."""
+        timing: dict[str, Any] = {}
+        try:
+            async with self._session.get(
+                    self.url + STATUS_PATH,
+                    timeout=aiohttp.ClientTimeout(total=self.settings.poll_timeout_s)) as r:
+                status = await r.json(content_type=None) if r.status == 200 else {}
+            rec = (status.get("switch") or {}).get("history", [])[-1]
+            timing = {k: rec[k] for k in ("drain_s", "rebuild_s", "switch_s")}
+        except Exception:  # noqa: BLE001 - a log detail only
+            pass
+        log.info("sglang_switched", node=self.node, phase=phase.value, in_place=True, **timing)
 
     # -- KV events -------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ What SGLang 0.5.23 gives, and what it cannot:
   retracted on a decode engine), ``max_total_num_tokens``. ``num_total_tokens`` counts used KV
   plus the KV that queued requests will need, so ``kv_room = max_total_num_tokens -
   num_total_tokens`` is free plus evictable KV (the radix cache's cached tokens are evictable).
-  SGLang has no host tier on CPU (HiCache fails there), so ``l2_*`` stay 0. The snapshot's
+  ``/v1/loads`` says nothing of the host tier (stock SGLang has none on CPU; the engine
+  patch's is not in this answer), so ``l2_*`` stay 0. The snapshot's
   ``timestamp`` (engine wall clock) tells its age, which the router needs (it ignores state
   older than 5 s). What the engine does *not* report per iteration is which prefill chunks it
   launched, so ``launched`` stays empty: the router's queue books advance on ``PrefillDone``.
@@ -143,10 +144,11 @@ class LoadsTracker:
         return IterationReport(node=self.node, start=start, duration=duration, batch=batch,
                                t_fwd=1, accepted=int(round(delta[5])), count=steps)
 
-    def prefill_finished(self, request: str, t_uc: int, t_c: int) -> None:
+    def prefill_finished(self, request: str, t_uc: int, t_c: int, t_rst: int = 0) -> None:
         """The driver saw ``request``'s prefill finish (``t_uc`` tokens computed after ``t_c``
-        cached ones, as the engine reported them)."""
-        self._prefills.append(PrefillItem(request, t_uc, t_c))
+        cached ones, ``t_rst`` of which were restored from host memory for it, as the engine
+        reported them)."""
+        self._prefills.append(PrefillItem(request, t_uc, t_c, t_rst))
         if len(self._prefills) > self.MAX_PENDING_PREFILLS:  # never attributable: start over
             self._prefills.clear()
             self._tokens = self._busy_us = 0

@@ -5,7 +5,8 @@ them by request id and the prefill node (``DecodeOrder.source``). The prefill dr
 room when it submits; the decode driver bound to the same request finds the room and the
 prefill engine's bootstrap address here. The book also tells the decode driver when the prefill
 half is over, so a request's ``PrefillDone`` (with the cached-token count the client's
-``usage`` reports) is published before its last ``TokensOut`` closes it.
+``usage`` reports) is published before its last ``TokensOut`` closes it. With the engine patch
+it also holds each engine's pool address, which a fetch plan names for a peer node.
 """
 
 from __future__ import annotations
@@ -34,10 +35,20 @@ class PairBook:
 
     def __init__(self) -> None:
         self._bootstrap: dict[NodeId, tuple[str, int]] = {}
+        self._pools: dict[NodeId, str] = {}
         self._pairs: dict[tuple[RequestId, NodeId], _Pair] = {}
 
-    def register_engine(self, node: NodeId, host: str, port: int) -> None:
+    def register_engine(self, node: NodeId, host: str, port: int, pool: str | None = None
+                        ) -> None:
         self._bootstrap[node] = (host, port)
+        if pool is not None:
+            self._pools[node] = pool
+        else:
+            self._pools.pop(node, None)
+
+    def pool(self, node: NodeId) -> str | None:
+        """The pool server of ``node``'s engine (engine patch), if it has one."""
+        return self._pools.get(node)
 
     def open(self, request: RequestId, prefill: NodeId, now: float) -> Bootstrap:
         """A new room for ``request`` prefilled on ``prefill`` (a re-dispatch gets a new one)."""

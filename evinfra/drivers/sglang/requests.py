@@ -54,8 +54,11 @@ def sampling_params(s: Sampling) -> dict[str, Any]:
 
 
 def generate_body(tokens: Any, sampling: Sampling, rid: str, bootstrap: Bootstrap,
-                  priority: int | None = None) -> dict[str, Any]:
-    """The ``/generate`` body, identical for both engines of the pair but for ``rid``."""
+                  priority: int | None = None, kv_hints: dict[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """The ``/generate`` body, identical for both engines of the pair but for ``rid`` (and
+    the prefill half's ``kv_hints``: its fetch plan for a patched engine, see
+    ``engine_patch/wire.py``)."""
     body: dict[str, Any] = {
         "input_ids": [int(t) for t in tokens],
         "sampling_params": sampling_params(sampling),
@@ -67,6 +70,8 @@ def generate_body(tokens: Any, sampling: Sampling, rid: str, bootstrap: Bootstra
     }
     if priority is not None:
         body["priority"] = priority
+    if kv_hints is not None:
+        body["kv_hints"] = kv_hints
     return body
 
 
@@ -97,6 +102,9 @@ class MetaInfo(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int | str] | None = None
+    """SGLang's split of ``cached_tokens`` by tier (with HiCache), plus the engine patch's
+    ``evinfra_fetched`` / ``evinfra_restored`` (``engine_patch/wire.py``)."""
     e2e_latency: float | None = None
 
 

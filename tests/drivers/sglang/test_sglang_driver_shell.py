@@ -16,15 +16,16 @@ from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
 from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
 from evinfra.drivers.sglang.pairs import PairBook
 
-from test_sglang_wire import LOADS, SERVER_INFO
+from test_sglang_wire import LOADS, PATCH_INFO, SERVER_INFO
 
 FAST = DriverSettings(poll_interval_s=0.05, down_after_s=0.3, discovery_timeout_s=2.0,
                       finish_wait_s=0.5)
 
 
 class FakeEngine:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, patch: dict | None = None) -> None:
         self.role = role
+        self.patch = patch
         self.generate = None  # async handler(request, body) -> response
         self.aborted: list[str] = []
         self.runner: web.AppRunner | None = None
@@ -33,6 +34,8 @@ class FakeEngine:
     async def start(self) -> None:
         app = web.Application()
         info = {**SERVER_INFO, "kv_events": None, "disaggregation_mode": self.role}
+        if self.patch is not None:
+            info["evinfra_engine_patch"] = self.patch
 
         def answer(body):
             async def handler(request):
@@ -45,6 +48,8 @@ class FakeEngine:
         app.router.add_get("/v1/loads", answer(LOADS))
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/abort_request", self._abort)
+        app.router.add_post("/pd_role_switch", self._switch)
+        app.router.add_get("/evinfra/status", self._status)
         # A stopped engine drops its open streams at once (no graceful wait for handlers).
         self.runner = web.AppRunner(app, shutdown_timeout=0.05)
         await self.runner.setup()
@@ -54,6 +59,17 @@ class FakeEngine:
 
     async def _generate(self, request):
         return await self.generate(request, await request.json())
+
+    async def _switch(self, request):
+        self.role = (await request.json())["new_role"]
+        self.switches = getattr(self, "switches", 0) + 1
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def _status(self, request):
+        if self.patch is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        rec = {"drain_s": 0.5, "rebuild_s": 0.1, "switch_s": 0.6}
+        return web.json_response({"switch": {"history": [rec]}})
 
     async def _abort(self, request):
         self.aborted.append((await request.json())["rid"])
@@ -78,13 +94,15 @@ def meta(n, finish=None, cached=0):
             "cached_tokens": cached}
 
 
-@pytest.fixture
-async def cluster():
+@pytest.fixture(params=[False])
+async def cluster(request):
     bus, events = Bus(), []
     for t in (PhaseSwitched, PrefillStarted, PrefillDone, TokensOut, RequestFailed, Withdrawn,
               NodeDown, NodeState):
         bus.subscribe(t, events.append)
-    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    patched = request.param
+    p = FakeEngine("prefill", {**PATCH_INFO, "pool": "127.0.0.1:6001"} if patched else None)
+    d = FakeEngine("decode", {**PATCH_INFO, "pool": "127.0.0.1:6002"} if patched else None)
     await p.start()
     await d.start()
     pairs = PairBook()
@@ -200,3 +218,53 @@ async def test_an_engine_that_dies_mid_stream_fails_its_requests_and_goes_down(c
     assert of(events, RequestFailed)[0].started is False
     engines["p"].runner = web.AppRunner(web.Application())  # for the fixture's cleanup
     await engines["p"].runner.setup()
+
+
+@pytest.mark.parametrize("cluster", [False, True], indirect=True, ids=["stock", "patched"])
+async def test_a_fetch_plan_goes_to_a_patched_engine_only(cluster):
+    """A patched prefill engine gets the plan in ``kv_hints`` (peers named by their pool
+    servers) and reports what it fetched; a stock one gets no plan."""
+    from evinfra.drivers.base import FetchRun
+
+    drivers, engines, events = cluster
+    patched = engines["p"].patch is not None
+    bodies = []
+    details = {"device": 8, "host": 0, "evinfra_fetched": 8, "evinfra_restored": 8}
+
+    async def prefill(request, body):
+        bodies.append(body)
+        m = {**meta(1, {"type": "length"}, 8), "cached_tokens_details": details}
+        return await sse(request, [{"output_ids": [7], "meta_info": m}])
+
+    engines["p"].generate = prefill
+    order = PrefillOrder("r1", ORDER.tokens, [11, 12], [FetchRun("d", 0, [11, 12])],
+                         ORDER.sampling, cached_tokens=8)
+    drivers["p"].submit_prefill(order)
+    await until(lambda: of(events, PrefillDone))
+    done = of(events, PrefillDone)[0]
+    if patched:
+        plan = bodies[0]["kv_hints"]["actions"][0]
+        assert plan["action_type"] == "evinfra.fetch"
+        assert plan["payload"] == {"page_size": 4, "runs": [
+            {"peer": "127.0.0.1:6002", "start": 0, "blocks": [11, 12]}]}
+        assert drivers["p"].stats["fetch_plans_sent"] == 1
+    else:
+        assert "kv_hints" not in bodies[0]
+        assert drivers["p"].stats["fetch_plans_ignored"] == 1
+    # Whatever the engine says it pulled is reported (a stock engine never says it).
+    assert (done.cached, done.fetched) == (8, 8)
+
+
+@pytest.mark.parametrize("cluster", [True], indirect=True, ids=["patched"])
+async def test_an_in_place_switch_does_not_wait_for_a_cache_clear(cluster):
+    """A patched engine keeps its cache: the driver publishes ``PhaseSwitched`` as soon as
+    the switch call returns, without the stock engine's wait for ``AllBlocksCleared``."""
+    from evinfra.core.types import Phase
+
+    drivers, engines, events = cluster
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    drivers["p"].switch_phase(Phase.DECODE)
+    await until(lambda: of(events, PhaseSwitched, node="p", phase="decode"))
+    assert loop.time() - t0 < FAST.clear_wait_s / 2
+    assert engines["p"].switches == 1 and drivers["p"].stats["switches"] == 1

@@ -201,3 +201,51 @@ def test_errors_map_to_clear_messages():
     assert f.unreachable and "closed the connection" in f.message
     assert from_exception(asyncio.TimeoutError(), "poll").unreachable
     assert not from_exception(ValueError("x"), "poll").unreachable
+
+
+PATCH_INFO = {"version": "1", "switch_in_place": True, "count_hints": "/evinfra/hints",
+              "fetch_action": "evinfra.fetch/1", "pool": "10.1.2.3:6001", "host_tier": True}
+
+
+def test_discovery_reads_the_engine_patch():
+    i = info(server={**SERVER_INFO, "evinfra_engine_patch": PATCH_INFO,
+                     "evinfra_count_hints": "/evinfra/hints"})
+    assert i.switch_in_place and i.fetch and i.pool == "10.1.2.3:6001"
+    assert i.hints_path == "/evinfra/hints"
+    stock = info()
+    assert not stock.switch_in_place and not stock.fetch and stock.pool is None
+    # A future fetch protocol this driver does not speak is not used.
+    newer = info(server={**SERVER_INFO, "evinfra_engine_patch": {**PATCH_INFO,
+                                                                 "fetch_action": "evinfra.fetch/9"}})
+    assert not newer.fetch and newer.switch_in_place
+
+
+def test_generate_body_carries_the_fetch_plan_and_the_reply_its_reuse():
+    s = Sampling(max_tokens=2)
+    hints = {"protocol_version": "1", "message_id": "r", "actions": []}
+    assert generate_body([1], s, "r", Bootstrap("h", 1, 2), kv_hints=hints)["kv_hints"] == hints
+    assert "kv_hints" not in generate_body([1], s, "r", Bootstrap("h", 1, 2))
+    chunk = parse_sse_line(b'data: {"output_ids": [], "meta_info": {"cached_tokens": 48, '
+                           b'"cached_tokens_details": {"device": 48, "host": 0, '
+                           b'"evinfra_fetched": 40, "evinfra_restored": 48}}}')
+    assert chunk.meta_info.cached_tokens_details["evinfra_fetched"] == 40
+
+
+def test_pair_book_names_each_engines_pool():
+    book = PairBook()
+    book.register_engine("p", "10.0.0.1", 8998, pool="10.0.0.1:6001")
+    book.register_engine("d", "10.0.0.2", 8999)
+    assert book.pool("p") == "10.0.0.1:6001" and book.pool("d") is None
+    book.register_engine("p", "10.0.0.1", 8998)  # restarted stock: no pool any more
+    assert book.pool("p") is None
+
+
+def test_a_prefill_report_carries_restored_tokens():
+    t = LoadsTracker("n0")
+    prev = parse_loads(json.dumps({"loads": [{"total_prefill_uncached_tokens": 100,
+                                              "total_prefill_busy_us": 1000}]}).encode())
+    t.prefill_finished("r1", 9, 48, 48)
+    now = parse_loads(json.dumps({"loads": [{"total_prefill_uncached_tokens": 109,
+                                             "total_prefill_busy_us": 3000}]}).encode())
+    report = t.prefill_report(now, prev, now=5.0)
+    assert report is not None and report.prefill[0].t_rst == 48 and report.prefill[0].t_c == 48

@@ -22,6 +22,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 SHADOW = HERE / "shadow"
+PATCH = HERE / "patch"
+"""The evinfra engine patch's entry point (a dist-info SGLang finds on PYTHONPATH; the
+repository root beside it provides the ``evinfra`` package). Every engine sees the plugin;
+only an engine started with ``patch=True`` gets ``EVINFRA_ENGINE_PATCH=1``, so the others run
+stock SGLang with the plugin installed but disabled."""
+
+# The engine patch's host tier on CPU (evinfra/engine_patch/README.md).
+HICACHE_ARGS = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                "--hicache-mem-layout", "layer_first", "--hicache-write-policy", "write_through")
 
 PAGE_SIZE = 4
 MAX_TOTAL_TOKENS = 4096
@@ -43,12 +52,21 @@ def free_port() -> int:
 
 
 class Engine:
-    """One SGLang server process (a PD engine with role switch enabled)."""
+    """One SGLang server process (a PD engine with role switch enabled). ``patch=True`` turns
+    the evinfra engine patch on (add ``HICACHE_ARGS`` for its host tier); ``extra_args`` are
+    appended to the launch flags."""
 
-    def __init__(self, name: str, role: str, model_dir: Path, log_dir: Path) -> None:
+    def __init__(self, name: str, role: str, model_dir: Path, log_dir: Path, *,
+                 patch: bool = False, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None,
+                 max_total_tokens: int = MAX_TOTAL_TOKENS) -> None:
         self.name = name
         self.role = role
         self.model_dir = model_dir
+        self.patch = patch
+        self.extra_args = tuple(extra_args)
+        self.extra_env = dict(env or {})
+        self.max_total_tokens = max_total_tokens
         self.log_path = log_dir / f"sglang-{name}.log"
         self.port = free_port()
         self.kv_port = free_port()
@@ -69,7 +87,7 @@ class Engine:
             "--load-format", "dummy", "--device", "cpu",
             "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
             "--grammar-backend", "none", "--disable-cuda-graph", "--disable-overlap-schedule",
-            "--page-size", str(PAGE_SIZE), "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+            "--page-size", str(PAGE_SIZE), "--max-total-tokens", str(self.max_total_tokens),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--kv-events-config", json.dumps(kv),
             "--disaggregation-mode", self.role,
@@ -81,13 +99,19 @@ class Engine:
             # default, and an engine launched as decode would prefill without one after a
             # switch.
             "--disaggregation-decode-enable-radix-cache",
+            *self.extra_args,
         ]
 
     def start(self) -> None:
         env = dict(os.environ)
-        env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(SHADOW),
+        env.update(SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1",
+                   PYTHONPATH=os.pathsep.join(map(str, (SHADOW, PATCH, REPO))),
                    TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         env.pop("VIRTUAL_ENV", None)
+        env.pop("EVINFRA_ENGINE_PATCH", None)
+        if self.patch:
+            env["EVINFRA_ENGINE_PATCH"] = "1"
+        env.update(self.extra_env)
         log = open(self.log_path, "ab")
         log.write(f"\n=== start {self.name} ({self.role}) at {time.ctime()}\n".encode())
         log.flush()

@@ -1,0 +1,177 @@
+"""The patch inside one SGLang scheduler: the parts, built when the scheduler is, and the
+calls the hooks make into them (engine process only).
+
+:class:`EnginePatch` is attached to the scheduler as ``scheduler._evinfra``. It owns
+
+* the in-place switch (:mod:`~evinfra.engine_patch.switch`), in both roles;
+* the count-aware host order (:mod:`~evinfra.engine_patch.eviction`), fed by count hints;
+* the pool server (:mod:`~evinfra.engine_patch.pool`), in both roles;
+* the fetcher (:mod:`~evinfra.engine_patch.fetch`), acting in the prefill role only.
+
+What needs the host tier (eviction, pool, fetch) is off, with a logged reason, when the
+engine runs without ``--enable-hierarchical-cache``, on SGLang's native TreeCore, with
+tensor/data parallelism, or with a host layout the pool cannot address.
+
+:meth:`tick` runs once per scheduler loop iteration (after SGLang processed its inputs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from evinfra.engine_patch import tree_ops
+from evinfra.engine_patch.eviction import CountAwareHostOrder
+from evinfra.engine_patch.settings import PatchSettings
+from evinfra.engine_patch.switch import SwitchController
+from evinfra.engine_patch.wire import (COUNT_HINTS_PATH, FETCH_ACTION, FETCH_VERSION,
+                                       CountHints, PatchInfo, WireError)
+
+__all__ = ["EnginePatch", "PATCH_VERSION"]
+
+log = logging.getLogger("evinfra.engine_patch")
+
+PATCH_VERSION = "1"
+
+
+class EnginePatch:
+    def __init__(self, scheduler: Any, settings: PatchSettings) -> None:
+        self.scheduler = scheduler
+        self.settings = settings
+        self.disabled: dict[str, str] = {}
+        self.switch = (SwitchController(scheduler, settings.drain_timeout_s)
+                       if settings.on("switch") else None)
+        self.counts: CountAwareHostOrder | None = None
+        self.pool = None
+        self.fetcher = None
+        self.hints_received = 0
+        self.hints_rejected = 0
+        host_problem = self._host_tier_problem()
+        for part in ("evict", "pool", "fetch"):
+            if not settings.on(part):
+                self.disabled[part] = "not in EVINFRA_PATCH_FEATURES"
+            elif host_problem:
+                self.disabled[part] = host_problem
+        if "evict" not in self.disabled:
+            self.counts = CountAwareHostOrder()
+        if "pool" not in self.disabled:
+            self._start_pool()
+        if "fetch" not in self.disabled and self.pool is not None:
+            from evinfra.engine_patch.fetch import Fetcher
+
+            self.fetcher = Fetcher(scheduler, self.pool.engine, self.pool.layout,
+                                   settings.fetch_timeout_s, settings.lease_ttl_s)
+        elif "fetch" not in self.disabled:
+            self.disabled["fetch"] = "needs the pool: " + self.disabled.get("pool", "off")
+        for part, why in self.disabled.items():
+            log.warning("evinfra engine patch: %s off: %s", part, why)
+        log.info("evinfra engine patch on: %s", json.dumps(msgspec.to_builtins(self.info())))
+
+    def _host_tier_problem(self) -> str:
+        s = self.scheduler
+        tc = s.tree_cache
+        if not getattr(s, "enable_hierarchical_cache", False) or \
+                getattr(tc, "cache_controller", None) is None:
+            return "no host tier (launch with --enable-hierarchical-cache)"
+        if not tree_ops.is_python_core(tc):
+            return ("the radix tree runs on SGLang's native TreeCore (set "
+                    "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python; the plugin does unless "
+                    "it was set otherwise)")
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        if par.tp_size != 1 or par.pp_size != 1 or (par.dp_size or 1) != 1:
+            return (f"tp={par.tp_size} pp={par.pp_size} dp={par.dp_size}: the patch drives "
+                    "one scheduler rank per engine")
+        return ""
+
+    def _start_pool(self) -> None:
+        from evinfra.engine_patch.pool import PoolServer, transfer_engine
+
+        sa = self.scheduler.server_args
+        bind = sa.host if sa.host not in (None, "", "0.0.0.0", "::") else "0.0.0.0"
+        advertise = self.settings.pool_host or (
+            sa.host if sa.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1")
+        try:
+            self.pool = PoolServer(self.scheduler.tree_cache, transfer_engine(), bind,
+                                   advertise, self.settings.pool_port)
+        except Exception as exc:  # noqa: BLE001 - the rest of the patch still works
+            log.exception("evinfra pool server failed to start")
+            self.disabled["pool"] = f"failed to start: {exc}"
+
+    # -- what the engine advertises --------------------------------------------------------
+
+    def info(self) -> PatchInfo:
+        return PatchInfo(
+            version=PATCH_VERSION, switch_in_place=self.switch is not None,
+            count_hints=COUNT_HINTS_PATH if self.counts is not None else None,
+            fetch_action=f"{FETCH_ACTION}/{FETCH_VERSION}" if self.fetcher else None,
+            pool=self.pool.address if self.pool is not None else None,
+            host_tier="evict" not in self.disabled or "pool" not in self.disabled)
+
+    def init_info(self) -> dict:
+        info = self.info()
+        out = {"evinfra_engine_patch": msgspec.to_builtins(info)}
+        if info.count_hints:
+            out["evinfra_count_hints"] = info.count_hints
+        return out
+
+    def status(self) -> dict:
+        s = self.scheduler
+        out: dict[str, Any] = {"info": msgspec.to_builtins(self.info()),
+                               "role": s.disaggregation_mode.value,
+                               "disabled": self.disabled, "time": time.time()}
+        if self.switch is not None:
+            out["switch"] = {"draining": self.switch.draining,
+                             "history": [msgspec.to_builtins(r) for r in self.switch.history]}
+        if self.counts is not None:
+            out["eviction"] = {"positive_blocks": len(self.counts.positive),
+                               "hints_applied": self.counts.hints_applied,
+                               "hints_rejected": self.hints_rejected,
+                               **self.counts.stats.snapshot()}
+        if self.pool is not None:
+            out["pool"] = self.pool.status()
+        if self.fetcher is not None:
+            out["fetch"] = self.fetcher.status()
+        host = getattr(getattr(s.tree_cache, "cache_controller", None), "mem_pool_host", None)
+        if host is not None:
+            out["host_tier"] = {"slots": host.size, "free": host.available_size()}
+        return out
+
+    # -- control messages (from the HTTP process) -------------------------------------------
+
+    def on_control(self, payload: str) -> None:
+        try:
+            msg = json.loads(payload)
+            kind = msg.get("kind")
+            if kind != "hints":
+                raise WireError(f"unknown control message {kind!r}")
+            hints = msgspec.convert(msg.get("body"), CountHints)
+        except (ValueError, msgspec.ValidationError, TypeError, AttributeError) as exc:
+            self.hints_rejected += 1
+            log.warning("evinfra control message dropped: %s", exc)
+            return
+        self.hints_received += 1
+        if self.counts is not None:
+            self.counts.apply(hints)
+
+    # -- every loop iteration ------------------------------------------------------------
+
+    def tick(self) -> bool:
+        """True when the scheduler loop must restart (a switch flipped the role)."""
+        if self.pool is not None:
+            self.pool.serve()
+        if self.fetcher is not None:
+            self.fetcher.tick()
+        if self.switch is not None:
+            return self.switch.tick()
+        return False
+
+    def is_prefill(self) -> bool:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        return self.scheduler.disaggregation_mode == DisaggregationMode.PREFILL

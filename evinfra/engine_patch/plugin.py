@@ -1,0 +1,328 @@
+"""The SGLang plugin: entry point ``evinfra_engine_patch`` in group ``sglang.srt.plugins``.
+
+SGLang calls :func:`register` in every process it starts (server, scheduler, detokenizer),
+then applies the hooks registered through ``sglang.srt.plugins.hook_registry.HookRegistry``.
+Without ``EVINFRA_ENGINE_PATCH=1`` nothing is registered: the engine is stock SGLang.
+
+This module is the only one that names SGLang targets. Each hook is a thin shim that finds
+the scheduler's :class:`~evinfra.engine_patch.engine.EnginePatch` (``scheduler._evinfra``)
+and calls it; with no patch object (its construction failed) the original runs alone.
+
+========================================================  ======  ===========================
+target (``sglang.srt.`` omitted)                          type    why
+========================================================  ======  ===========================
+entrypoints.http_server.launch_server                     BEFORE  add /evinfra/* routes
+managers.scheduler.Scheduler.__init__                     AFTER   build the EnginePatch
+managers.scheduler.Scheduler.get_init_info                AFTER   advertise in /server_info
+managers.scheduler.Scheduler.get_internal_state           AFTER   status for /evinfra/status
+managers.scheduler.Scheduler.handle_rpc_request           AROUND  count hints arrive here
+managers.scheduler.Scheduler.process_input_requests       AFTER   once per loop: tick
+managers.scheduler.Scheduler.handle_pd_role_switch        AROUND  in-place switch
+disaggregation.role_switch._release_prefix_cache_for...   AROUND  keep the cache on a flip
+managers.scheduler.Scheduler._add_request_to_queue        AROUND  refuse while draining;
+                                                                  start fetches (prefill)
+disaggregation.prefill.PrefillBootstrapQueue              AFTER   park requests whose
+  .pop_bootstrapped                                               fetch is not loaded yet
+managers.scheduler.Scheduler.is_fully_idle                AFTER   parked/fetching = not idle
+managers.scheduler.Scheduler.abort_request                BEFORE  abort reaches parked reqs
+managers.scheduler.Scheduler.run_batch                    BEFORE  prefill start times
+managers.scheduler_components.output_streamer             AFTER   fetched/restored tokens
+  .SchedulerOutputStreamer.get_cached_tokens_details              in meta_info
+disaggregation.decode_hicache_mixin                       AFTER   decode never loads from
+  .DecodeHiCachePreallocMixin._build_decode_prefix_match          host (D.6)
+mem_cache.unified_cache.components.full.FullComponent     AROUND  host eviction order
+  .drive_host_eviction                                            (1[R>0], T_b)
+mem_cache.pool_host.common._cuda_host_register            AROUND  CPU: no pinning
+mem_cache.pool_host.mha.MHATokenToKVPoolHost              AROUND  CPU: torch copies
+  .load_to_device_per_layer / .backup_from_device_all_layer
+========================================================  ======  ===========================
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from evinfra.engine_patch.settings import ENABLE_ENV, PatchSettings, enabled
+
+__all__ = ["register"]
+
+log = logging.getLogger("evinfra.engine_patch")
+
+_SETTINGS: PatchSettings | None = None
+_PATCH: Any = None  # the EnginePatch of this scheduler process
+_TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+
+
+def register() -> None:
+    """SGLang's plugin entry point."""
+    global _SETTINGS
+    if not enabled():
+        if multiprocessing.parent_process() is None:
+            # SGLang loads plugins before it configures logging: say it on stderr, once.
+            print(f"evinfra engine patch: installed, disabled ({ENABLE_ENV} is not 1): "
+                  "no hook registered, stock SGLang", file=sys.stderr, flush=True)
+        return
+    _SETTINGS = settings = PatchSettings.from_env()
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if (settings.on("evict") or settings.on("pool")) and _TREE_CORE_ENV not in os.environ:
+        # The host-eviction hook and the pool's tree walks need the Python TreeCore (see
+        # tree_ops); children inherit the variable.
+        os.environ[_TREE_CORE_ENV] = "python"
+    reg = HookRegistry.register
+    if multiprocessing.parent_process() is None:
+        reg("sglang.srt.entrypoints.http_server.launch_server", _before_launch_server,
+            HookType.BEFORE)
+        log.info("evinfra engine patch enabled (server process): %s", sorted(settings.features))
+        return
+    if "sglang.srt.managers.scheduler" not in sys.modules:
+        return  # detokenizer and other helpers: nothing to patch there
+    S = "sglang.srt.managers.scheduler.Scheduler."
+    reg(S + "__init__", _after_scheduler_init, HookType.AFTER)
+    reg(S + "get_init_info", _after_init_info, HookType.AFTER)
+    reg(S + "get_internal_state", _after_internal_state, HookType.AFTER)
+    reg(S + "handle_rpc_request", _around_rpc, HookType.AROUND)
+    reg(S + "process_input_requests", _after_process_input, HookType.AFTER)
+    reg(S + "is_fully_idle", _after_is_fully_idle, HookType.AFTER)
+    if settings.on("switch"):
+        reg(S + "handle_pd_role_switch", _around_role_switch, HookType.AROUND)
+        reg("sglang.srt.disaggregation.role_switch._release_prefix_cache_for_role_switch",
+            _around_release_prefix_cache, HookType.AROUND)
+    reg(S + "_add_request_to_queue", _around_add_request, HookType.AROUND)
+    if settings.on("fetch"):
+        reg("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
+            _after_pop_bootstrapped, HookType.AFTER)
+        reg(S + "abort_request", _before_abort, HookType.BEFORE)
+        reg(S + "run_batch", _before_run_batch, HookType.BEFORE)
+        reg("sglang.srt.managers.scheduler_components.output_streamer."
+            "SchedulerOutputStreamer.get_cached_tokens_details", _after_cached_details,
+            HookType.AFTER)
+    if settings.on("pool") or settings.on("evict"):
+        reg("sglang.srt.disaggregation.decode_hicache_mixin.DecodeHiCachePreallocMixin."
+            "_build_decode_prefix_match", _after_decode_prefix_match, HookType.AFTER)
+    if settings.on("evict"):
+        reg("sglang.srt.mem_cache.unified_cache.components.full.FullComponent."
+            "drive_host_eviction", _around_drive_host_eviction, HookType.AROUND)
+    if settings.on("cpu_host"):
+        from evinfra.engine_patch import host_tier
+
+        reg("sglang.srt.mem_cache.pool_host.common._cuda_host_register",
+            host_tier.cuda_host_register, HookType.AROUND)
+        H = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost."
+        reg(H + "load_to_device_per_layer", host_tier.load_to_device_per_layer,
+            HookType.AROUND)
+        reg(H + "backup_from_device_all_layer", host_tier.backup_from_device_all_layer,
+            HookType.AROUND)
+    log.info("evinfra engine patch enabled (scheduler process): %s", sorted(settings.features))
+
+
+def _patch_of(scheduler: Any) -> Any:
+    return getattr(scheduler, "_evinfra", None)
+
+
+# -- server process ------------------------------------------------------------------------
+
+
+def _before_launch_server(*args, **kwargs):
+    from sglang.srt.entrypoints import http_server
+
+    from evinfra.engine_patch.control import add_routes
+
+    add_routes(http_server.app)
+    return None
+
+
+# -- scheduler: life cycle and reporting ------------------------------------------------------
+
+
+def _after_scheduler_init(result, self, *args, **kwargs):
+    global _PATCH
+    from evinfra.engine_patch.engine import EnginePatch
+
+    try:
+        self._evinfra = _PATCH = EnginePatch(self, _SETTINGS or PatchSettings())
+    except Exception:  # noqa: BLE001 - never take the engine down: it serves stock
+        log.exception("evinfra engine patch failed to start: this engine runs stock")
+        self._evinfra = None
+    return None
+
+
+def _after_init_info(result, self, *args, **kwargs):
+    patch = _patch_of(self)
+    if patch is not None and isinstance(result, dict):
+        result.update(patch.init_info())
+    return result
+
+
+def _after_internal_state(result, self, *args, **kwargs):
+    patch = _patch_of(self)
+    state = getattr(result, "internal_state", None)
+    if patch is not None and isinstance(state, dict):
+        try:
+            state["evinfra"] = patch.status()
+        except Exception as exc:  # noqa: BLE001 - a status read must not fail the call
+            state["evinfra"] = {"error": repr(exc)}
+    return result
+
+
+def _around_rpc(original: Callable, self, recv_req):
+    from evinfra.engine_patch.control import CONTROL_METHOD
+
+    if getattr(recv_req, "method", None) != CONTROL_METHOD:
+        return original(self, recv_req)
+    patch = _patch_of(self)
+    if patch is not None:
+        patch.on_control((recv_req.parameters or {}).get("payload", ""))
+    return None  # fire and forget: no reply travels back
+
+
+def _after_process_input(result, self, *args, **kwargs):
+    patch = _patch_of(self)
+    if patch is not None and patch.tick():
+        from sglang.srt.disaggregation import role_switch
+
+        raise role_switch.PdRoleSwitchRestart()
+    return result
+
+
+def _after_is_fully_idle(result, self, for_health_check=False, ignore_waiting=False):
+    if not result or for_health_check:
+        return result
+    patch = _patch_of(self)
+    if patch is not None and patch.fetcher is not None and patch.fetcher.busy():
+        return False
+    return result
+
+
+# -- scheduler: the switch -------------------------------------------------------------------
+
+
+def _around_role_switch(original: Callable, self, recv_req):
+    patch = _patch_of(self)
+    if patch is None or patch.switch is None:
+        return original(self, recv_req)
+    return patch.switch.request(recv_req)
+
+
+def _around_release_prefix_cache(original: Callable, scheduler):
+    patch = _patch_of(scheduler)
+    if patch is not None and patch.switch is not None and patch.switch.keep_cache:
+        return None  # the in-place switch keeps the tree, the pools and the host tier
+    return original(scheduler)
+
+
+def _around_add_request(original: Callable, self, req, is_retracted: bool = False):
+    patch = _patch_of(self)
+    if patch is not None and patch.switch is not None and \
+            patch.switch.should_refuse(req, is_retracted):
+        patch.switch.refuse(req)
+        return None
+    out = original(self, req, is_retracted)
+    if patch is not None and patch.fetcher is not None and not is_retracted and \
+            patch.is_prefill() and not req.finished() and req.to_finish is None:
+        try:
+            patch.fetcher.on_request(req)
+        except Exception:  # noqa: BLE001 - the request is prefilled without its fetch
+            log.exception("evinfra fetch setup failed for %s", req.rid)
+    return out
+
+
+# -- scheduler: fetches ----------------------------------------------------------------------
+
+
+def _after_pop_bootstrapped(result, self, *args, **kwargs):
+    patch = _PATCH
+    if patch is None or patch.fetcher is None or not result:
+        return result
+    return patch.fetcher.hold(result)
+
+
+def _before_abort(self, recv_req):
+    patch = _patch_of(self)
+    if patch is not None and patch.fetcher is not None and patch.fetcher.parked:
+        patch.fetcher.unpark_matching(None if recv_req.abort_all else recv_req.rid)
+    return None
+
+
+def _before_run_batch(self, batch, *args, **kwargs):
+    patch = _patch_of(self)
+    if patch is not None and patch.fetcher is not None and batch is not None:
+        mode = getattr(batch, "forward_mode", None)
+        if mode is not None and mode.is_extend():
+            patch.fetcher.on_prefill_start(batch.reqs)
+    return None
+
+
+def _after_cached_details(result, self, req, *args, **kwargs):
+    patch = _PATCH
+    if patch is None or patch.fetcher is None:
+        return result
+    extra = patch.fetcher.details(req.rid)
+    if not extra:
+        return result
+    out = dict(result) if result else {"device": req.cached_tokens, "host": 0}
+    out.update(extra)
+    return out
+
+
+# -- scheduler: host tier --------------------------------------------------------------------
+
+
+def _after_decode_prefix_match(result, self, *args, **kwargs):
+    """A decode engine reuses only what its device memory holds: the rest comes from the
+    prefill engine, never from its own host tier (paper 4.2 and D.6: a decode batch must not
+    wait for a load from host memory)."""
+    if _PATCH is None or result is None or (
+            result.l2_host_hit_length == 0 and result.l3_storage_hit_length == 0):
+        return result
+    import dataclasses
+
+    return dataclasses.replace(result, l2_host_hit_length=0, l3_storage_hit_length=0,
+                               last_host_node=None)
+
+
+def _around_drive_host_eviction(original: Callable, self, num_tokens, tracker, *args,
+                                **kwargs):
+    patch = _PATCH
+    counts = patch.counts if patch is not None else None
+    if counts is None:
+        return original(self, num_tokens, tracker, *args, **kwargs)
+    from evinfra.engine_patch import tree_ops
+
+    core = self.tree_core
+    self._ensure_eviction_strategy()
+    base = self.session_ref_eviction_strategy
+    hashes: dict[int, list[int]] = {}
+
+    def node_hashes(node) -> list[int]:
+        h = hashes.get(node.id)
+        if h is None:
+            h = hashes[node.id] = tree_ops.node_hashes(core, node)
+        return h
+
+    def key(node):
+        return counts.key(node_hashes(node), base(node))
+
+    # Record each victim (and whether a zero-count leaf was still there) as SGLang evicts it.
+    evict_leaf = core._evict_host_leaf
+
+    def recording_evict(node, *a, **kw):
+        positive = counts.is_positive(node_hashes(node))
+        zero_left = positive and any(
+            n is not node and not counts.is_positive(node_hashes(n))
+            for n in core.evictable_host_leaves)
+        counts.stats.record(node_hashes(node), positive, zero_left, time.time())
+        return evict_leaf(node, *a, **kw)
+
+    self.session_ref_eviction_strategy = key
+    core._evict_host_leaf = recording_evict
+    try:
+        return original(self, num_tokens, tracker, *args, **kwargs)
+    finally:
+        self.session_ref_eviction_strategy = base
+        del core._evict_host_leaf

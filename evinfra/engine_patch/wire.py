@@ -1,0 +1,238 @@
+"""The contract between the control plane (the SGLang driver) and a patched engine (pure).
+
+Four things cross it, each validated at the edge that receives it:
+
+* **Count hints** (``POST /evinfra/hints``, the path the engine advertises in ``/server_info``
+  as ``evinfra_count_hints``): ``{"positive": [...], "zero": [...]}``, the block hashes whose
+  branch count on this node crossed zero (:class:`~evinfra.directory.branches.HintDelta`, same
+  field names). A block never named positive counts as zero.
+* **Fetch plans**, inside SGLang's own per-request ``kv_hints`` envelope of ``/generate``
+  (SGLang 0.5.23 carries it to the scheduler untouched; consumers ignore actions they do not
+  know): one action ``{"action_type": "evinfra.fetch", "action_version": "1", "payload":
+  {"page_size": P, "runs": [{"peer": "host:port", "start": i, "blocks": [...]}]}}``. ``peer``
+  is the pool address the peer engine advertises (the driver translates node names), ``start``
+  the index of the run's first block in the request's path, ``blocks`` the block hashes.
+* **What the engine says about itself**: ``/server_info`` gains ``evinfra_engine_patch``
+  (:class:`PatchInfo`) and ``evinfra_count_hints``. Their absence means stock SGLang.
+* **What a prefill reused**: ``meta_info.cached_tokens_details`` gains ``evinfra_fetched``
+  (tokens pulled from peers' host memory for the request) and ``evinfra_restored`` (tokens
+  loaded from host to device memory for it while it was queued).
+
+The engine-to-engine lease protocol of the shared pool (:class:`LeaseRequest` ...) is here too:
+msgpack over ZMQ between two patched engines.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Mapping
+
+import msgspec
+
+__all__ = [
+    "COUNT_HINTS_PATH", "FETCH_ACTION", "FETCH_VERSION", "STATUS_PATH", "CountHints",
+    "FetchPlan", "FetchRunWire", "HostLayout", "LeaseReply", "LeaseRequest", "PatchInfo",
+    "Release", "WireError", "decode_count_hints", "fetch_kv_hints", "find_fetch_plan",
+    "restored_tokens",
+]
+
+COUNT_HINTS_PATH = "/evinfra/hints"
+STATUS_PATH = "/evinfra/status"
+FETCH_ACTION = "evinfra.fetch"
+FETCH_VERSION = "1"
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Pos = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class WireError(ValueError):
+    """A message that does not follow the contract (the receiver answers 400 or drops it)."""
+
+
+# -- count hints -------------------------------------------------------------------------
+
+
+class CountHints(msgspec.Struct, frozen=True):
+    """Blocks whose count on this node became positive / zero since the previous hints."""
+
+    positive: list[Int64] = []
+    zero: list[Int64] = []
+
+
+_hints = msgspec.json.Decoder(CountHints)
+
+
+def decode_count_hints(body: bytes) -> CountHints:
+    try:
+        return _hints.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"count hints: {exc}") from exc
+
+
+# -- fetch plans -------------------------------------------------------------------------
+
+
+class FetchRunWire(msgspec.Struct, frozen=True):
+    """Consecutive blocks of the request's path to pull from the pool server at ``peer``."""
+
+    peer: str
+    start: NonNeg
+    blocks: list[Int64]
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.peer.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"peer must be 'host:port', got {self.peer!r}")
+        if not self.blocks:
+            raise ValueError("a fetch run names at least one block")
+
+
+class FetchPlan(msgspec.Struct, frozen=True):
+    page_size: Pos
+    runs: list[FetchRunWire]
+
+    def __post_init__(self) -> None:
+        pos = None
+        for r in self.runs:
+            if pos is not None and r.start != pos:
+                raise ValueError(f"fetch runs must be consecutive: run at block {r.start} "
+                                 f"follows one that ends at {pos}")
+            pos = r.start + len(r.blocks)
+
+    @property
+    def first_block(self) -> int:
+        return self.runs[0].start if self.runs else 0
+
+    @property
+    def end_block(self) -> int:
+        return self.runs[-1].start + len(self.runs[-1].blocks) if self.runs else 0
+
+
+def fetch_kv_hints(plan: FetchPlan, message_id: str) -> dict[str, Any]:
+    """The ``kv_hints`` envelope of a ``/generate`` body carrying ``plan``."""
+    return {"protocol_version": "1", "message_id": message_id, "actions": [{
+        "action_id": f"{message_id}-fetch", "action_type": FETCH_ACTION,
+        "action_version": FETCH_VERSION, "payload": msgspec.to_builtins(plan)}]}
+
+
+def find_fetch_plan(envelope: Any) -> FetchPlan | None:
+    """The fetch plan in a request's ``kv_hints`` (SGLang's ``KvHintsEnvelope`` or its JSON
+    form), or None when it carries none. Raises :class:`WireError` for a malformed plan of our
+    action; actions of other types and versions are ignored, as SGLang's contract says."""
+    if envelope is None:
+        return None
+    actions = _get(envelope, "actions") or []
+    for a in actions:
+        if _get(a, "action_type") != FETCH_ACTION or _get(a, "action_version") != FETCH_VERSION:
+            continue
+        try:
+            return msgspec.convert(_get(a, "payload"), FetchPlan)
+        except (msgspec.ValidationError, TypeError) as exc:
+            raise WireError(f"fetch plan: {exc}") from exc
+    return None
+
+
+def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def restored_tokens(details: Mapping[str, Any] | None) -> tuple[int, int]:
+    """``(fetched, restored)`` from a response's ``cached_tokens_details``: tokens pulled from
+    peers, and tokens loaded from host into device memory (the patch's own count, plus
+    SGLang's ``host`` hits loaded during the prefill)."""
+    if not details:
+        return 0, 0
+    fetched = details.get("evinfra_fetched", 0)
+    restored = details.get("evinfra_restored", 0)
+    host = details.get("host", 0)
+    as_int = [x if isinstance(x, int) and x > 0 else 0 for x in (fetched, restored, host)]
+    return as_int[0], as_int[1] + as_int[2]
+
+
+# -- what the engine advertises ----------------------------------------------------------
+
+
+class PatchInfo(msgspec.Struct, frozen=True):
+    """``/server_info``'s ``evinfra_engine_patch`` block."""
+
+    version: str
+    switch_in_place: bool
+    """``/pd_role_switch`` drains by itself and keeps the cache (no ``AllBlocksCleared``)."""
+    count_hints: str | None = None
+    """Path of the count-hint call (also top-level ``evinfra_count_hints``)."""
+    fetch_action: str | None = None
+    """``"evinfra.fetch/1"`` when the engine honours fetch plans (prefill role)."""
+    pool: str | None = None
+    """``host:port`` of this engine's pool server (peers lease its host KV there)."""
+    host_tier: bool = False
+    """HiCache host tier on (write-through in both roles)."""
+
+
+# -- the pool's lease protocol (engine to engine) ------------------------------------------
+
+
+class HostLayout(msgspec.Struct, frozen=True):
+    """Where a host KV slot lives in an engine's (Mooncake-registered) host buffer.
+
+    Byte address of token slot ``s`` of layer ``l`` in plane ``kv`` (0 = K, 1 = V)::
+
+        base + kv * kv_stride + l * layer_stride + (s // page) * page_stride
+             + (s % page) * slot_stride
+
+    which covers SGLang's host layouts ``layer_first`` (page_stride = page * slot_stride),
+    ``page_first`` and ``page_first_direct``. ``token_bytes`` is one layer's K (or V) of one
+    token. Two engines exchange KV only when their layout name, ``token_bytes``, ``layers``
+    and ``page_size`` match (:meth:`geometry`).
+    """
+
+    name: str
+    base: int
+    kv_stride: int
+    layer_stride: int
+    page_stride: int
+    slot_stride: int
+    token_bytes: int
+    layers: int
+    page_size: int
+    slots: int
+
+    def geometry(self) -> tuple:
+        return (self.name, self.token_bytes, self.layers, self.page_size)
+
+
+class LeaseRequest(msgspec.Struct, tag="lease", frozen=True):
+    """Pin the host copies of pages ``[start_page, end_page)`` of ``tokens`` for a read.
+
+    ``tokens`` are the request's tokens up to ``end_page`` (the peer matches them in its own
+    radix tree); ``hashes`` the block hashes of those pages, which the peer checks."""
+
+    tokens: list[int]
+    start_page: NonNeg
+    end_page: NonNeg
+    hashes: list[Int64] = []
+    ttl_s: float = 30.0
+
+
+class Release(msgspec.Struct, tag="release", frozen=True):
+    lease: int
+
+
+class LeaseReply(msgspec.Struct, tag="reply", frozen=True):
+    """``pages`` leading pages of the asked range are pinned on host (maybe fewer than asked:
+    the rest is not in the peer's host memory); ``slots`` are their host slots, one per
+    token."""
+
+    ok: bool
+    reason: str = ""
+    lease: int = -1
+    session: str = ""
+    layout: HostLayout | None = None
+    pages: int = 0
+    slots: list[int] = []
+
+
+PoolMessage = LeaseRequest | Release | LeaseReply
+pool_encoder = msgspec.msgpack.Encoder()
+pool_decoder = msgspec.msgpack.Decoder(PoolMessage)

@@ -1,0 +1,356 @@
+"""The evinfra engine patch on two real SGLang 0.5.23 engines on CPU (``evinfra/engine_patch``).
+
+Engine ``a`` starts as prefill, ``b`` as decode; both run the patch with a HiCache host tier
+(``HICACHE_ARGS``: 2048 device tokens, about 4100 host slots). The tests share the pair and run
+in order:
+
+* the engines advertise the patch;
+* a prefill pulls a prefix from the decode engine's host memory while it waits in its queue
+  (fetch end <= prefill start), and the output is the one computed from scratch;
+* through the SGLang driver, the fetched and restored tokens reach ``PrefillDone`` and the
+  iteration report (``t_rst``);
+* with count hints, host eviction takes every zero-count block before a positive one;
+* a switch drains by itself (switch time = drain time + a rebuild) and keeps the cache: after
+  P->D->P the same prefix is reused and the output is unchanged;
+* through ``evinfra serve``'s service: after a P->D->P round trip the directory still lists the
+  engine's blocks (no ``AllBlocksCleared``) and a request reusing them reports cached tokens.
+
+At most these two engines run (the stock pair of the other modules starts after this module's
+teardown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ServiceThread, _require_sglang, sglang_config
+from engines import HICACHE_ARGS, PAGE_SIZE, SERVED_NAME, Engine
+from evinfra.core.hashing import block_hashes
+from pd_client import generate, http
+
+pytestmark = pytest.mark.sglang
+
+P = PAGE_SIZE
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, tmp_path_factory):
+    _require_sglang()
+    logs = Path(os.environ.get("EVINFRA_SGLANG_LOGS") or tmp_path_factory.mktemp("patch-logs"))
+    es = {n: Engine(n, role, model_dir, logs, patch=True, extra_args=HICACHE_ARGS,
+                    max_total_tokens=2048)
+          for n, role in (("a", "prefill"), ("b", "decode"))}
+    try:
+        for e in es.values():
+            e.start()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda e: e.wait_ready(), es.values()))
+        yield es
+    finally:
+        for e in es.values():
+            e.stop()
+
+
+def status(e: Engine) -> dict:
+    code, body = http("GET", e.url + "/evinfra/status")
+    assert code == 200, body
+    return body
+
+
+def gen(p: Engine, d: Engine, ids: list[int], n: int, **kw) -> dict:
+    return generate(p.url, d.url, p.bootstrap_port, ids, n, **kw)
+
+
+def flush(e: Engine) -> None:
+    """Drop an idle engine's cache (SGLang's ``/flush_cache``; refused while it works)."""
+    for _ in range(50):
+        code, body = http("POST", e.url + "/flush_cache")
+        if code == 200 and str(body).startswith("Cache flushed"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"could not flush {e.name}: {body}")
+
+
+def switch(e: Engine, role: str) -> tuple[int, dict, float]:
+    body = {"new_role": role}
+    if role == "decode":
+        body["decode_cuda_graph_memory_gb"] = 0
+    t = time.monotonic()
+    code, out = http("POST", e.url + "/pd_role_switch", body, timeout=120)
+    return code, out, time.monotonic() - t
+
+
+def role(e: Engine) -> str:
+    return http("GET", e.url + "/model_info")[1]["disaggregation_mode"]
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def test_the_engines_advertise_the_patch(pair):
+    for e in pair.values():
+        info = http("GET", e.url + "/server_info")[1]
+        patch = info["evinfra_engine_patch"]
+        assert patch["switch_in_place"] and patch["host_tier"]
+        assert patch["fetch_action"] == "evinfra.fetch/1" and patch["pool"].count(":") == 1
+        assert info["evinfra_count_hints"] == "/evinfra/hints"
+        st = status(e)
+        assert st["disabled"] == {} and st["host_tier"]["slots"] >= 4096
+
+
+def test_a_queued_prefill_pulls_its_prefix_from_a_peers_host_memory(pair):
+    """Output equivalence (computed locally / fetched from a peer) and the fetch's timing."""
+    a, b = pair["a"], pair["b"]
+    prompt = tokens(1, 48) + tokens(2, 9)  # 12 full pages of prefix, then a tail
+    base = gen(a, b, prompt, 8)
+    assert base["prefill"]["cached_tokens"] == 0  # computed from scratch
+    local = gen(a, b, prompt, 8)
+    assert local["prefill"]["cached_tokens"] >= 48  # the prefix from a's own cache
+    assert local["output_ids"] == base["output_ids"]
+    # b decoded the prompt: its radix cache and (write-through) host tier hold it. a forgets.
+    flush(a)
+    peer = http("GET", b.url + "/server_info")[1]["evinfra_engine_patch"]["pool"]
+    from evinfra.engine_patch.wire import FetchPlan, FetchRunWire, fetch_kv_hints
+
+    plan = FetchPlan(P, [FetchRunWire(peer, 0, block_hashes(prompt, P)[:12])])
+    # The decode half comes 0.5 s later: the prefill waits in a's bootstrap queue meanwhile.
+    r = gen(a, b, prompt, 8, kv_hints=fetch_kv_hints(plan, "t-fetch"), decode_delay_s=0.5)
+    assert r["output_ids"] == base["output_ids"]
+    details = r["prefill"]["cached_tokens_details"]
+    assert details["evinfra_fetched"] == 48 and details["evinfra_restored"] >= 48
+    assert r["prefill"]["cached_tokens"] >= 48
+    rec = next(x for x in status(a)["fetch"]["recent"] if x["rid"] == r["rid"])
+    t = rec["times"]
+    assert rec["outcome"] == "fetched" and rec["peers"] == [peer]
+    assert t["arrival"] <= t["fetch_start"] <= t["fetch_end"] <= t["load_end"] <= \
+        t["prefill_start"]
+    assert t["prefill_start"] - t["arrival"] > 0.3  # it was queued, the fetch ran meanwhile
+    sb = status(b)
+    pool = sb["pool"]
+    assert pool["leases"] >= 1 and pool["open_leases"] == 0 and pool["released"] >= 1
+    # The decode engine wrote its KV through to host memory, and never fetched.
+    assert sb["host_tier"]["free"] < sb["host_tier"]["slots"] and sb["fetch"]["jobs"] == 0
+    print(f"\nfetch of 12 pages: queued at {t['arrival']:.3f}, fetch "
+          f"{t['fetch_start'] - t['arrival']:.4f}..{t['fetch_end'] - t['arrival']:.4f} s, "
+          f"loaded at {t['load_end'] - t['arrival']:.4f} s, prefill started at "
+          f"{t['prefill_start'] - t['arrival']:.4f} s")
+
+
+async def test_the_driver_sends_fetch_plans_and_reports_restored_tokens(pair):
+    """``PrefillOrder.fetch`` reaches the engine through the driver; ``PrefillDone.fetched``
+    and the prefill iteration report's ``t_rst`` carry what it pulled and restored."""
+    from evinfra.core.bus import Bus
+    from evinfra.core.clock import WallClock
+    from evinfra.core.events import (IterationReport, PrefillDone, PrefillStarted,
+                                     RequestFailed, TokensOut)
+    from evinfra.drivers.base import DecodeOrder, FetchRun, PrefillOrder, Sampling
+    from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
+    from evinfra.drivers.sglang.pairs import PairBook
+
+    a, b = pair["a"], pair["b"]
+    prompt = tokens(3, 40) + tokens(4, 5)
+    base = await asyncio.to_thread(gen, a, b, prompt, 4)
+    await asyncio.to_thread(flush, a)
+    bus, events = Bus(), []
+    for t in (PrefillStarted, PrefillDone, IterationReport, TokensOut, RequestFailed):
+        bus.subscribe(t, events.append)
+    book = PairBook()
+    drivers = {n: SGLangDriver(n, e.url, WallClock(), bus, book, P,
+                               DriverSettings(poll_interval_s=0.1))
+               for n, e in pair.items()}
+    for d in drivers.values():
+        await d.start()
+    try:
+        ids = np.asarray(prompt, dtype=np.uint32)
+        path = block_hashes(prompt, P)
+        sampling = Sampling(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+        def bind(ev):
+            drivers["b"].submit_decode(DecodeOrder(ev.request, "a", ids, path, sampling))
+
+        bus.subscribe(PrefillStarted, bind)
+        drivers["a"].submit_prefill(PrefillOrder("r-drv", ids, path, [FetchRun("b", 0, path[:10])],
+                                                 sampling, cached_tokens=40))
+
+        async def until(pred, timeout=30.0):
+            for _ in range(int(timeout / 0.05)):
+                if (v := pred()):
+                    return v
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"timed out; events: {events}")
+
+        await until(lambda: [e for e in events if isinstance(e, TokensOut) and e.finish])
+        assert not [e for e in events if isinstance(e, RequestFailed)]
+        out = [t for e in events if isinstance(e, TokensOut) for t in e.tokens]
+        assert out == base["output_ids"]
+        done = next(e for e in events if isinstance(e, PrefillDone))
+        assert done.fetched == 40 and done.cached >= 40
+        report = await until(lambda: [e for e in events if isinstance(e, IterationReport)
+                                      and any(i.request == "r-drv" for i in e.prefill)])
+        item = next(i for i in report[0].prefill if i.request == "r-drv")
+        assert item.t_rst >= 40 and item.t_c >= 40 and item.t_uc == len(prompt) - done.cached
+        assert drivers["a"].stats["fetch_plans_sent"] == 1
+    finally:
+        for d in drivers.values():
+            await d.stop()
+
+
+def test_host_eviction_takes_zero_count_blocks_first(pair):
+    a, b = pair["a"], pair["b"]
+    old = [tokens(100 + i, 200) for i in range(3)]    # zero count, the oldest
+    kept = [tokens(200 + i, 200) for i in range(3)]   # a branch's context: positive count
+    flood = [tokens(300 + i, 200) for i in range(30)]  # zero count, newer than `kept`
+    for p in old + kept:
+        gen(a, b, p, 1)
+    positive = [h for p in kept for h in block_hashes(p, P)]
+    code, body = http("POST", a.url + "/evinfra/hints", {"positive": positive, "zero": []})
+    assert code == 200 and body["positive"] == len(positive)
+    for p in flood:  # 6000 new tokens through 2048 device + ~4100 host slots
+        gen(a, b, p, 1)
+    ev = status(a)["eviction"]
+    assert ev["positive_blocks"] == len(positive)
+    assert ev["evicted_zero_nodes"] > 0 and ev["evicted_positive_nodes"] == 0
+    assert ev["violations"] == 0
+    evicted = set().union(*(set(r["blocks"]) for r in ev["recent"]))
+    for p in kept:
+        assert not set(block_hashes(p, P)) & evicted
+    assert all(set(block_hashes(p, P)) <= evicted for p in old)
+    # Under LRU the kept context (older) would have gone before these newer flood blocks.
+    assert set(block_hashes(flood[0], P)) <= evicted
+    for p in kept:  # the kept context is still on host: reused, loaded back while queued
+        r = gen(a, b, p + [5, 6, 7, 8], 1)
+        assert r["prefill"]["cached_tokens"] == 200
+        assert r["prefill"]["cached_tokens_details"]["evinfra_restored"] >= 4
+    print(f"\nhost evictions: {ev['evicted_zero_nodes']} zero-count nodes "
+          f"({ev['evicted_zero_blocks']} blocks), {ev['evicted_positive_nodes']} positive")
+
+
+def test_a_switch_drains_by_itself_and_keeps_the_cache(pair):
+    a, b = pair["a"], pair["b"]
+    prompt = tokens(5, 48) + tokens(6, 7)
+    base = gen(a, b, prompt, 8)
+    long: dict = {}
+
+    def run_long():
+        long["r"] = gen(a, b, tokens(7, 30), 300)
+        long["end"] = time.time()
+
+    th = threading.Thread(target=run_long)
+    th.start()
+    time.sleep(0.6)  # b is decoding the long request
+    with ThreadPoolExecutor(2) as pool:
+        to_p = pool.submit(switch, b, "prefill")
+        to_d = pool.submit(switch, a, "decode")
+        (cb, ob, tb), (ca, oa, ta) = to_p.result(), to_d.result()
+    th.join(60)
+    assert cb == 200 and ob["success"] and ca == 200 and oa["success"], (ob, oa)
+    assert len(long["r"]["output_ids"]) == 300  # the running request finished in place
+    assert (role(a), role(b)) == ("decode", "prefill")
+    rec = status(b)["switch"]["history"][-1]
+    assert rec["ok"] and rec["running_at_decision"] >= 1
+    # The switch time is the drain time plus a rebuild of the role's queues.
+    # (Bounds leave room for a loaded 2-core machine; measured: rebuild 0.1-0.5 s.)
+    assert rec["drain_s"] > 0.3 and rec["switch_s"] - rec["drain_s"] < 2.0
+    assert abs(rec["decided_at"] + rec["drain_s"] - long["end"]) < 2.0
+    r = gen(b, a, prompt, 8)  # b prefills now, from what it kept as a decode engine
+    assert r["output_ids"] == base["output_ids"] and r["prefill"]["cached_tokens"] >= 48
+    for e, new in ((b, "decode"), (a, "prefill")):
+        code, out, _ = switch(e, new)
+        assert code == 200 and out["success"]
+    r = gen(a, b, prompt, 8)  # a went P -> D -> P and kept its cache
+    assert r["output_ids"] == base["output_ids"] and r["prefill"]["cached_tokens"] >= 48
+    hist = status(a)["switch"]["history"]
+    print("\nswitches (drain_s / switch_s): b D->P "
+          f"{rec['drain_s']:.3f} / {rec['switch_s']:.3f} (HTTP {tb:.3f}); a (HTTP {ta:.3f}) "
+          + ", ".join(f"{h['old_role'][0].upper()}->{h['new_role'][0].upper()} "
+                      f"{h['drain_s']:.3f} / {h['switch_s']:.3f}" for h in hist))
+
+
+def test_a_round_trip_through_the_service_keeps_the_blocks_in_the_directory(pair, model_dir):
+    from openai import OpenAI
+
+    from evinfra.config import parse_config
+    from evinfra.core.events import PhaseSwitched, SplitChanged, TokensOut
+    from evinfra.core.types import Tier
+
+    svc = ServiceThread(parse_config(sglang_config(pair, model_dir))).start()
+    try:
+        seen: list = []
+
+        def spy(s):
+            for t in (PhaseSwitched, SplitChanged, TokensOut):
+                s.bus.subscribe(t, seen.append)
+
+        svc.call(spy)
+        client = OpenAI(base_url=svc.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        branch = {"X-Evinfra-Branch-Id": "agent-patch"}
+        prompt = tokens(8, 41)  # 10 full pages
+        hashes = block_hashes(prompt, P)
+        client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=6,
+                                  temperature=0, extra_headers=branch,
+                                  extra_body={"ignore_eos": True})
+
+        def tiers_on(node: str) -> list[set]:
+            return svc.call(lambda s: [s.directory.tree.tiers(h, s.directory.index(node))
+                                       for h in hashes])
+
+        def wait(pred, timeout=60.0, what=""):
+            deadline = time.monotonic() + timeout
+            while not pred():
+                assert time.monotonic() < deadline, f"timed out: {what}"
+                time.sleep(0.05)
+
+        wait(lambda: all(t == {Tier.L1, Tier.L2} for t in tiers_on("a")), what="a L1+L2")
+        # (The drivers replayed the engines' event history at start, the flushes of the tests
+        # above included: count only what comes from now on.)
+        clears = lambda: svc.call(lambda s: [d._engine_clears for d in s.drivers.values()])  # noqa
+        clears_before = clears()
+        long: dict = {}
+
+        def run_long():
+            r = client.completions.create(model=SERVED_NAME, prompt=tokens(9, 20),
+                                          max_tokens=300, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            long["finish"] = r.choices[0].finish_reason
+
+        th = threading.Thread(target=run_long)
+        th.start()
+        time.sleep(0.8)  # decoding on b
+        roles = lambda: svc.call(lambda s: {n: s.router.phase(n).value for n in s.nodes})  # noqa
+        code, body = http("POST", svc.url + "/v1/evinfra/split", {"prefill": ["b"]})
+        assert code == 200, body
+        wait(lambda: roles() == {"a": "decode", "b": "prefill"}, what="a D, b P")
+        th.join(60)
+        assert long["finish"] == "length"
+        code, body = http("POST", svc.url + "/v1/evinfra/split", {"prefill": ["a"]})
+        assert code == 200, body
+        wait(lambda: roles() == {"a": "prefill", "b": "decode"}, what="back to a P, b D")
+        # a went P -> D -> P: its blocks are listed all along, in both tiers.
+        assert all(t == {Tier.L1, Tier.L2} for t in tiers_on("a"))
+        assert clears() == clears_before  # no AllBlocksCleared from either switch
+        r = client.completions.create(model=SERVED_NAME, prompt=prompt + tokens(10, 7),
+                                      max_tokens=4, temperature=0, extra_headers=branch,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens_details.cached_tokens >= 40
+        # Switch time (decision -> serving the new phase) against the drain of b's decode.
+        t0 = next(e.time for e in seen if isinstance(e, SplitChanged))
+        t_b = next(e.time for e in seen if isinstance(e, PhaseSwitched) and e.node == "b"
+                   and e.time > t0)
+        t_drained = max(e.time for e in seen if isinstance(e, TokensOut) and e.node == "b"
+                        and e.finish and e.time < t_b)
+        assert t_drained - t0 > 0.3 and 0 <= t_b - t_drained < 3.0
+        print(f"\nservice switch of b D->P: {t_b - t0:.3f} s, of which drain "
+              f"{t_drained - t0:.3f} s")
+    finally:
+        svc.stop()

@@ -20,6 +20,8 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
                     structlog.processors.TimeStamper(fmt="iso", utc=True),
                     structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # Resolve sys.stderr when a logger is made, not now: a caller that swaps stderr (a
+        # test harness capturing it) must not leave loggers writing to a closed file.
+        logger_factory=lambda *args: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )

@@ -27,15 +27,27 @@ settings.load_profile("ci")
 MIN_STEPS = {"ci": 10_000, "long": 100_000}
 
 # Tolerated-input warnings (bad KV events on purpose) would flood the captured output of the
-# property tests; tests that assert on logs use structlog.testing.capture_logs.
+# property tests; tests that assert on logs use the ``logs`` fixture.
 import logging  # noqa: E402
 
-import structlog  # noqa: E402
-
-structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-
 import pytest  # noqa: E402
+import structlog  # noqa: E402
 from structlog.testing import capture_logs  # noqa: E402
+
+
+def _quiet_logs() -> None:
+    structlog.reset_defaults()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+
+_quiet_logs()
+
+
+@pytest.fixture(autouse=True)
+def _logging_reset():
+    """Tests that run the CLI in-process configure structlog for it; put it back after."""
+    yield
+    _quiet_logs()
 
 
 @pytest.fixture
@@ -46,4 +58,4 @@ def logs():
         with capture_logs() as captured:
             yield captured
     finally:
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+        _quiet_logs()

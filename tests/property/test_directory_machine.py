@@ -312,3 +312,20 @@ def test_the_machine_catches_a_directory_that_ignores_evictions() -> None:
         run_state_machine_as_test(
             _MutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
                                               phases=[HPhase.generate], print_blob=False))
+
+
+class _WideDirectory(Directory):
+    """With 21 nodes the packed masks outgrow an int64, so ``match`` takes its general path;
+    the 17 extra nodes stay idle."""
+
+    def __init__(self, nodes, page_size):
+        super().__init__({**nodes, **{f"idle{i}": Phase.DECODE for i in range(17)}}, page_size)
+
+
+class _WideMachine(DirectoryMachine):
+    directory_cls = _WideDirectory
+
+
+def test_the_general_prefix_walk_agrees_too() -> None:
+    run_state_machine_as_test(_WideMachine, settings=settings(max_examples=40,
+                                                              stateful_step_count=60))

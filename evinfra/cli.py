@@ -1,8 +1,9 @@
 """``evinfra``: the command line.
 
-    evinfra serve --config etc/cluster.toml [--host H] [--port P] [--log-format F]
+    evinfra serve --config etc/cluster.toml [--host H] [--port P] [--policy NAME] [--log-format F]
     evinfra simulate --config etc/cluster.toml --workload cc --agents 126 ... --out DIR
     evinfra replay --target URL --workload cc --agents 8 --duration 60 --out DIR
+    evinfra experiment fig6 [--quick] [--out DIR] [--jobs N]
 
 A bad config or argument prints one line and exits with status 2.
 """
@@ -29,6 +30,9 @@ def _serve(args: argparse.Namespace) -> int:
     from evinfra.config import load_config
 
     config = load_config(args.config)
+    if args.policy is not None:
+        config = msgspec.structs.replace(
+            config, policy=msgspec.structs.replace(config.policy, name=args.policy))
     server = config.server
     if args.host is not None or args.port is not None:
         server = msgspec.structs.replace(
@@ -98,6 +102,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from evinfra.baselines import POLICIES
     from evinfra.logs import configure_logging
 
     ap = argparse.ArgumentParser(prog="evinfra", description="Agent-adaptive LLM serving control plane")
@@ -106,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", required=True, help="TOML config (etc/cluster.toml)")
     s.add_argument("--host", default=None)
     s.add_argument("--port", type=int, default=None)
+    s.add_argument("--policy", choices=POLICIES,
+                   help="the system to run (default: the config's [policy] name)")
     s.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     s.set_defaults(func=_serve)
@@ -113,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     from evinfra.sim.command import add_parser as add_simulate
 
     add_simulate(sub)
+
+    from evinfra.experiments.command import add_parser as add_experiment
+
+    add_experiment(sub)
 
     r = sub.add_parser("replay", help="drive an OpenAI-compatible endpoint with agent traffic")
     r.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from evinfra.baselines.policy import PolicyConfig
 from evinfra.core.types import NonNegFloat, PosFloat, PosInt
 from evinfra.drivers.fake.config import FakeEngineConfig
 from evinfra.errors import ConfigError
@@ -93,6 +94,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     planner: PlannerConfig = PlannerConfig()
     router: RouterConfig = RouterConfig()
     fake: FakeEngineConfig = FakeEngineConfig()
+    policy: PolicyConfig = PolicyConfig()
+    """Which system runs: evinfra or a baseline (``evinfra.baselines``)."""
 
 
 def load_config(path: str | Path) -> Config:

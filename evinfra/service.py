@@ -7,6 +7,10 @@ the router's decisions into driver orders, and turns the engines' events (on the
 into router, directory and planner updates and into output for the client. Every handler is
 synchronous; nothing here awaits except start and stop.
 
+The system it runs is the ``[policy]`` of the config (``evinfra.baselines``): evinfra, or a
+baseline's prefill strategy, decode binding, planner and switch, built once here; the
+handlers below are the same for all of them.
+
 Clients see a request through a :class:`RequestSink`: output tokens as they come, then
 either the finish or an error. Nothing in a handler raises into the bus for one bad request:
 a request that cannot go on fails on its own sink.
@@ -21,6 +25,8 @@ import msgspec
 import numpy as np
 import structlog
 
+from evinfra.baselines import build as build_policy
+from evinfra.baselines import engine_overrides
 from evinfra.config import Config
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
@@ -31,8 +37,8 @@ from evinfra.core.types import BranchId, NodeId, Phase, RequestId
 from evinfra.directory import Directory
 from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError, UnknownBranchError
-from evinfra.planner.planner import Decision, Planner, Split
-from evinfra.router.router import DecodeBinding, Refusal, Route, RouteRequest, Router
+from evinfra.planner.planner import Decision, Split
+from evinfra.router.router import DecodeBinding, Held, Refusal, Route, RouteRequest, Router
 
 __all__ = ["RequestSink", "Service", "Submission"]
 
@@ -104,12 +110,19 @@ class Service:
         self.nodes = nodes
         self.initial_prefill = nodes[: config.cluster.initial_prefill]
         self.directory = Directory({n: Phase.COLLOCATED for n in nodes}, config.cluster.page_size)
-        self.router = Router(self.directory, config.router)
-        self.planner = Planner(config.planner, nodes, self.initial_prefill, start=clock.now())
+        parts = build_policy(config.policy, config.planner, nodes, self.initial_prefill,
+                             start=clock.now(), page_size=config.cluster.page_size,
+                             context_length=config.model.max_context_tokens)
+        self.policy = parts.spec
+        self.router = Router(self.directory, config.router, prefill=parts.prefill,
+                             decode=parts.decode, pool=parts.pool)
+        self.planner = parts.planner
         self.last_decision: Decision | None = None
         self.accepting = True
         self._stopping = False
         self._flights: dict[RequestId, _Flight] = {}
+        self._held: dict[RequestId, _Flight] = {}
+        self._releasing = False
         self._ids = itertools.count()
         self._switching: dict[NodeId, Phase] = {}
         self._decoding = 0
@@ -132,7 +145,8 @@ class Service:
         from evinfra.drivers.fake import FakeCluster
 
         fake = msgspec.structs.replace(config.fake, streaming=stream,
-                                       page_size=config.cluster.page_size)
+                                       page_size=config.cluster.page_size,
+                                       **engine_overrides(config.policy))
         cluster = FakeCluster([(n.name, Phase.COLLOCATED) for n in config.cluster.nodes], fake,
                               clock, bus, seed=config.cluster.seed)
         service = cls(config, clock, bus, {n.name: cluster.driver(n.name)
@@ -145,8 +159,12 @@ class Service:
     async def start(self) -> None:
         for d in self.drivers.values():
             await d.start()
-        self._schedule_tick()
-        log.info("service_started", nodes=len(self.nodes), warmup_until=self.planner.warmup_end,
+        if self.planner.warming_up and self.planner.warmup_end <= self.clock.now():
+            self._on_tick()  # no warm-up: the initial split serves from the start
+        else:
+            self._schedule_tick()
+        log.info("service_started", nodes=len(self.nodes), policy=self.config.policy.name,
+                 warmup_until=self.planner.warmup_end,
                  initial_split=f"{len(self.initial_prefill)}P{len(self.nodes) - len(self.initial_prefill)}D")
 
     async def stop(self) -> None:
@@ -180,16 +198,22 @@ class Service:
         branch = sub.branch or f"~{rid}"  # a request without a branch is a branch of one
         f = _Flight(rid, branch, sub.final or sub.branch is None, tokens, sub.sampling, sink, now)
         decision = self.router.route(
-            RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, sub.parent), now)
+            RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, sub.parent,
+                         f.end_branch), now)
         if isinstance(decision, Refusal):
             self.counters["refused"] += 1
+            self.router.finished(rid, now)
             if sub.branch is None and branch in self.directory.branches:
                 self.directory.end(branch)
             raise NoNodeError(decision.phase, decision.reason)
         self.counters["submitted"] += 1
         self._flights[rid] = f
-        self._dispatch(f, decision)
+        if isinstance(decision, Held):
+            self._held[rid] = f
+        else:
+            self._dispatch(f, decision)
         self._arm_timer(f)
+        self._release_held()
         self._flush_hints()
         return rid
 
@@ -220,6 +244,44 @@ class Service:
         self.drivers[route.node].submit_prefill(PrefillOrder(
             f.id, f.tokens, route.path.hashes, route.fetch, f.sampling,
             cached_tokens=route.prediction.t_c, branch=f.branch, final=f.end_branch))
+        if route.decode is not None:
+            self._submit_decode(f, route.decode)
+
+    def _submit_decode(self, f: _Flight, binding: DecodeBinding) -> None:
+        f.decode = binding.node
+        self.drivers[binding.node].submit_decode(DecodeOrder(
+            f.id, binding.source, f.tokens, f.path, f.sampling, branch=f.branch,
+            final=f.end_branch))
+
+    def _reroute(self, f: _Flight, decision: Route | Refusal | Held | None, why: str) -> None:
+        """Carry out a second routing of a request whose prefill had not started. A decode
+        node bound at submit was let go by the router; its order is aborted here."""
+        if f.decode is not None:
+            self.drivers[f.decode].abort(f.id)
+            f.decode = None
+        if isinstance(decision, Route):
+            f.reroutes += 1
+            self._dispatch(f, decision)
+        elif isinstance(decision, Held):
+            f.prefill = None
+            self._held[f.id] = f
+        else:
+            self._fail(f, NoNodeError("prefill", decision.reason if decision else why))
+
+    def _release_held(self) -> None:
+        """Route the held requests the prefill strategy lets go now."""
+        if not self._held or self._releasing:
+            return
+        self._releasing = True
+        try:
+            now = self.clock.now()
+            for rid in self.router.take_released(now):
+                f = self._held.pop(rid, None)
+                if f is not None:
+                    self._reroute(f, self.router.route(RouteRequest(rid, f.branch, None, 0),
+                                                       now), "released")
+        finally:
+            self._releasing = False
 
     # -- engine events ---------------------------------------------------------------------
 
@@ -242,6 +304,7 @@ class Service:
 
     def _on_state(self, ev: NodeState) -> None:
         self.router.on_state(ev)
+        self.planner.observe_state(ev)
 
     def _on_prefill_started(self, ev: PrefillStarted) -> None:
         f = self._flights.get(ev.request)
@@ -253,10 +316,7 @@ class Service:
             self.drivers[ev.node].abort(ev.request)
             self._fail(f, NoNodeError(binding.phase, binding.reason))
         elif isinstance(binding, DecodeBinding):
-            f.decode = binding.node
-            self.drivers[binding.node].submit_decode(DecodeOrder(
-                f.id, ev.node, f.tokens, f.path, f.sampling, branch=f.branch,
-                final=f.end_branch))
+            self._submit_decode(f, binding)
             self._flush_hints()
 
     def _on_prefill_done(self, ev: PrefillDone) -> None:
@@ -291,14 +351,13 @@ class Service:
         f = self._flights.get(ev.request)
         if f is None or ev.node not in (f.prefill, f.decode):
             return
-        if ev.node == f.prefill and not ev.started and f.decode is None:
+        if ev.node == f.prefill and not ev.started and f.prefill_start is None:
             again = self.router.failed(ev.request, ev.node, False, self.clock.now())
-            if isinstance(again, Route):
-                f.reroutes += 1
+            if isinstance(again, (Route, Held)):
                 self.counters["rerouted"] += 1
-                log.info("request_rerouted", request=f.id, failed_on=ev.node, to=again.node,
-                         error=ev.error)
-                self._dispatch(f, again)
+                log.info("request_rerouted", request=f.id, failed_on=ev.node,
+                         to=getattr(again, "node", "held"), error=ev.error)
+                self._reroute(f, again, "rerouted")
                 self._flush_hints()
                 return
         for node in {f.prefill, f.decode} - {None, ev.node}:
@@ -309,12 +368,8 @@ class Service:
         f = self._flights.get(ev.request)
         if f is None or f.prefill != ev.node:
             return
-        again = self.router.withdrawn(ev.request, ev.node, self.clock.now())
-        if isinstance(again, Route):
-            f.reroutes += 1
-            self._dispatch(f, again)
-        else:
-            self._fail(f, NoNodeError("prefill", again.reason if again else "withdrawn"))
+        self._reroute(f, self.router.withdrawn(ev.request, ev.node, self.clock.now()),
+                      "withdrawn")
         self._flush_hints()
         self._check_drains()
 
@@ -350,7 +405,8 @@ class Service:
             f.timer.cancel()
         if f.admitted:
             self._set_decoding(self._decoding - 1)
-        self.router.finished(f.id)
+        self._held.pop(f.id, None)
+        self.router.finished(f.id, now)
         if status == "ok":
             self.counters["ok"] += 1
             self.planner.observe_request(now, f.computed, f.cached, f.out)
@@ -364,8 +420,10 @@ class Service:
             f.id, f.branch, f.arrival, now, status, int(f.tokens.size), f.out, f.cached,
             f.fetched, f.first, f.prefill_start, f.prefill, f.decode,
             error.message if error is not None else "", f.reroutes, f.finish)
+        self.planner.observe_done(record)
         f.sink.done(record, error)
         self.bus.publish(record)
+        self._release_held()
 
     def _set_decoding(self, q: int) -> None:
         self._decoding = q
@@ -418,17 +476,20 @@ class Service:
             if self.planner.warming_up:
                 self._finish_warmup(now, Split.of(self.nodes, self.initial_prefill),
                                     "warm-up over: initial split")
-            elif not self.config.planner.adapt:
+            elif not self.planner.adapts:
                 return  # a fixed split: no window, no decision, no further tick
             else:
+                self.planner.observe_loads(now, self.router.loads(now))
                 decision = self.planner.decide(now)
+                if decision is None:
+                    return
                 self.last_decision = decision
                 self.bus.publish(decision)
                 self.router.set_models(self.planner.models.values())
                 if decision.chosen is not None:
                     self._apply(decision.chosen, now, decision.reason)
         finally:
-            if self.planner.warming_up or self.config.planner.adapt:
+            if self.planner.warming_up or self.planner.adapts:
                 self._schedule_tick()
 
     def _finish_warmup(self, now: float, split: Split, reason: str) -> None:
@@ -481,6 +542,9 @@ class Service:
                 self.directory.switch_phase(node, phase)
                 self.drivers[node].switch_phase(phase)
             else:
+                # In place or by relaunch (the engine's), the node first finishes its running
+                # requests: a relaunch is Dynamo's graceful shutdown, routing stopped and
+                # in-flight work completed before the worker exits.
                 self._switching[node] = phase
         self._check_drains()
 
@@ -505,6 +569,9 @@ class Service:
             nodes[n] = view
         return {
             "time": self.clock.now(),
+            "policy": {"name": self.config.policy.name,
+                       **{k: v for k, v in msgspec.to_builtins(self.policy).items()
+                          if k != "about"}},
             "split": {"prefill": p, "decode": d, "label": f"{len(p)}P{len(d)}D",
                       "collocated": sorted(n for n in self.nodes
                                            if self.router.phase(n) is Phase.COLLOCATED),

@@ -17,19 +17,22 @@ suited to prefill, for ``p > |P|`` the decode nodes best suited to it, and it ch
 from __future__ import annotations
 
 import math
-from typing import Annotated, Iterable, Sequence
+from typing import TYPE_CHECKING, Annotated, Iterable, Protocol, Sequence
 
 import msgspec
 import numpy as np
 import structlog
 
-from evinfra.core.events import IterationReport
+from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
 from evinfra.errors import ConfigError
 from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi
 from evinfra.planner.window import SliceWork, Window
 
-__all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "plan"]
+if TYPE_CHECKING:
+    from evinfra.router.router import NodeLoad
+
+__all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "SplitPlanner", "plan"]
 
 log = structlog.get_logger(__name__)
 
@@ -263,6 +266,60 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                     chosen=chosen, reason=reason)
 
 
+# -- the service's interface -----------------------------------------------------------------
+
+
+class SplitPlanner(Protocol):
+    """What the service needs of a phase-split planner: evinfra's :class:`Planner` or a
+    baseline's (``evinfra.baselines``). The service feeds it observations, ticks it at
+    :attr:`window_end` while :attr:`adapts` (or while warming up), applies the split a
+    :class:`Decision` chooses, and reports each switched node with :meth:`drained`.
+
+    A planner without a warm-up has ``warmup_end`` at its start: the service's first tick
+    ends the "warm-up" at once and applies the initial split (``finish_warmup`` fits
+    nothing and returns no reports)."""
+
+    split: Split
+    models: dict[NodeId, NodeModel]
+    """Fitted Eq. 1-2 models by node (the router predicts TTFT with them); may be empty."""
+    fits: dict[NodeId, FitReport]
+    warmup_end: float
+
+    @property
+    def warming_up(self) -> bool: ...
+
+    @property
+    def window_end(self) -> float:
+        """When the service ticks :meth:`decide` next."""
+
+    @property
+    def adapts(self) -> bool:
+        """Whether :meth:`decide` is ticked after the warm-up at all."""
+
+    def observe_iteration(self, report: IterationReport) -> None: ...
+
+    def observe_request(self, now: float, t_uc: float, t_c: float, t_out: float) -> None: ...
+
+    def observe_decode(self, now: float, q: float) -> None: ...
+
+    def observe_state(self, state: NodeState) -> None: ...
+
+    def observe_done(self, record: RequestDone) -> None: ...
+
+    def observe_loads(self, now: float, loads: "list[NodeLoad]") -> None:
+        """The router's view of every node's load, right before each :meth:`decide`."""
+
+    def drained(self, node: NodeId, now: float) -> None: ...
+
+    def finish_warmup(self, now: float) -> list[FitReport]: ...
+
+    def decide(self, now: float) -> Decision | None:
+        """A decision to publish (and apply, if it chooses a split), or None for a tick
+        with nothing to say."""
+
+    def switch_to(self, split: Split, now: float) -> None: ...
+
+
 # -- the state around it ---------------------------------------------------------------------
 
 
@@ -328,6 +385,15 @@ class Planner:
         if self._window is not None:
             self._window.set_q(now, q)
 
+    def observe_state(self, state: NodeState) -> None:
+        """Node reports: the window measures work from requests and iterations instead."""
+
+    def observe_done(self, record: RequestDone) -> None:
+        """Finished requests arrive through :meth:`observe_request` with their work."""
+
+    def observe_loads(self, now: float, loads: "list[NodeLoad]") -> None:
+        """Queue depths are what Eq. 6's test is built to look past (5.2): unused."""
+
     def drained(self, node: NodeId, now: float) -> None:
         """``node`` finished the requests it ran before its switch and now serves its new phase."""
         self.draining.discard(node)
@@ -338,6 +404,10 @@ class Planner:
     @property
     def warming_up(self) -> bool:
         return not self.models
+
+    @property
+    def adapts(self) -> bool:
+        return self.config.adapt
 
     def ready(self, now: float) -> bool:
         """The warmup T_learn is over and :meth:`finish_warmup` is due."""

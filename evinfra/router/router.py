@@ -11,8 +11,13 @@ it the engines' events. Its books are the source of truth for what the router se
 * per node, its phase as the router routes it, whether it is draining for a switch, and its
   last reported state (used only while at most ``state_max_age_s`` old).
 
-A request walks: :meth:`route` (E.1 step, directory lookup, Eq. 7 per node, choose ``n*``,
-place the branch) → :meth:`prefill_started` (bind decode, place the branch) →
+What it chooses it asks its strategies (``strategy.py``): the prefill node (evinfra's Eq. 7
+argmin, or a baseline's rule) and the decode node and when to bind it. ``pool`` tells it
+whether the engines read peers' host memory; without the pool no fetch is planned.
+
+A request walks: :meth:`route` (E.1 step, directory lookup, the strategy chooses ``n*``,
+place the branch; a decode strategy that binds at submit binds here) →
+:meth:`prefill_started` (bind decode, place the branch) →
 :meth:`prefill_done` (``n*`` holds the version: settle) → :meth:`decode_admitted` (settle
 on the decode node) → :meth:`finished`. A switch walks :meth:`begin_switch` (stop routing
 the old phase, withdraw queued requests) → :meth:`withdrawn` (route again) → :meth:`drained`
@@ -33,9 +38,12 @@ from evinfra.core.types import BranchId, NodeId, NonNegFloat, Phase, PosFloat, R
 from evinfra.directory import Directory, PrefixMatch
 from evinfra.drivers.base import FetchRun
 from evinfra.planner.itermodel import NodeModel
+from evinfra.router.strategy import (DecodeOption, DecodeStrategy, FewestRequests, Hold,
+                                     PrefillStrategy, TTFTStrategy)
 from evinfra.router.ttft import PrefillQueue, Prediction, TTFTConfig, estimate, predict
 
-__all__ = ["DecodeBinding", "Refusal", "Route", "RouteRequest", "Router", "RouterConfig"]
+__all__ = ["DecodeBinding", "Held", "NodeLoad", "Refusal", "Route", "RouteRequest", "Router",
+           "RouterConfig"]
 
 log = structlog.get_logger(__name__)
 
@@ -64,10 +72,36 @@ class RouteRequest(msgspec.Struct, frozen=True, gc=False):
     """uint32 numpy array of the input."""
     max_tokens: int
     parent: BranchId | None = None
+    final: bool = False
+    """The branch ends with this request (the harness said so)."""
+
+
+class NodeLoad(msgspec.Struct, frozen=True, gc=False):
+    """A node's load in the router's books, for planners that size the split by load
+    (the baselines' queue-depth, KV-utilisation and TTFT signals)."""
+
+    node: NodeId
+    phase: str
+    queued_tokens: int
+    """Uncached input tokens of requests sent to the node and not launched yet (``U`` of
+    ``Q_n``)."""
+    wait_s: float
+    """Predicted wait before a new request starts on the node (``Ŵ_n`` of E.3 line 8)."""
+    decode_tokens: int
+    """KV tokens (input plus ``max_tokens``) of the requests bound to the node for decode."""
+    kv_capacity: int | None
+    """GPU KV capacity from the node's last report (None before any)."""
+
+
+class DecodeBinding(msgspec.Struct, frozen=True, gc=False):
+    request: RequestId
+    node: NodeId
+    source: NodeId
 
 
 class Route(msgspec.Struct, frozen=True, gc=False):
-    """Send the prefill to ``node``; it pulls ``fetch`` from peers while queued."""
+    """Send the prefill to ``node``; it pulls ``fetch`` from peers while queued. ``decode`` is
+    the decode node bound at once (a decode strategy that binds at submit), else None."""
 
     request: RequestId
     node: NodeId
@@ -75,12 +109,15 @@ class Route(msgspec.Struct, frozen=True, gc=False):
     fetch: list[FetchRun]
     prediction: Prediction
     candidates: int
+    decode: DecodeBinding | None = None
 
 
-class DecodeBinding(msgspec.Struct, frozen=True, gc=False):
+class Held(msgspec.Struct, frozen=True, gc=False):
+    """The prefill strategy parked the request; :meth:`Router.take_released` names it when
+    it may be routed again."""
+
     request: RequestId
-    node: NodeId
-    source: NodeId
+    reason: str
 
 
 class Refusal(msgspec.Struct, frozen=True, gc=False):
@@ -92,16 +129,17 @@ class Refusal(msgspec.Struct, frozen=True, gc=False):
 
 
 class _Req:
-    __slots__ = ("id", "branch", "path", "t_in", "need", "prefill", "decode", "started", "done",
-                 "admitted")
+    __slots__ = ("id", "branch", "path", "t_in", "need", "final", "prefill", "decode", "started",
+                 "done", "admitted")
 
     def __init__(self, rid: RequestId, branch: BranchId, path: HashedPath, t_in: int,
-                 need: int) -> None:
+                 need: int, final: bool) -> None:
         self.id = rid
         self.branch = branch
         self.path = path
         self.t_in = t_in
         self.need = need
+        self.final = final
         self.prefill: NodeId | None = None
         self.decode: NodeId | None = None
         self.started = False
@@ -128,10 +166,71 @@ class _Node:
         self.last_chosen = 0  # the router's route count when it last chose this node
 
 
+class _View:
+    """A :class:`~evinfra.router.strategy.RouteView` of one request; predictions are
+    computed once per node and kept, so a strategy may ask freely."""
+
+    __slots__ = ("_router", "_r", "request", "branch", "path", "t_in", "need", "final", "nodes",
+                 "match", "now", "_pred", "_full")
+
+    def __init__(self, router: "Router", r: _Req, nodes: list[_Node], match: PrefixMatch,
+                 now: float) -> None:
+        self._router = router
+        self._r = r
+        self.request, self.branch, self.path = r.id, r.branch, r.path
+        self.t_in, self.need, self.final = r.t_in, r.need, r.final
+        self.nodes = [n.name for n in nodes]
+        self.match = match
+        self.now = now
+        self._pred: dict[NodeId, Prediction] = {}
+        self._full: dict[NodeId, Prediction] = {}
+
+    def predict(self, node: NodeId) -> Prediction:
+        p = self._pred.get(node)
+        if p is None:
+            p = self._pred[node] = self._router._predict(self._r, self._router._nodes[node],
+                                                         self.match, self.now)
+        return p
+
+    def predict_full_input(self, node: NodeId) -> Prediction:
+        p = self._full.get(node)
+        if p is None:
+            n = self._router._nodes[node]
+            p = self._full[node] = predict(
+                node, n.queue, self._router.coefficients(node), self._router._t_rem(n, self.now),
+                self.t_in, 0, 0, 0, self.own(node) * self._router.directory.page_size,
+                self._router.config.ttft)
+        return p
+
+    def own(self, node: NodeId) -> int:
+        return self.match.own[self._router._nodes[node].idx]
+
+    def own_l1(self, node: NodeId) -> int:
+        return self.match.own_l1[self._router._nodes[node].idx]
+
+    def last_chosen(self, node: NodeId) -> int:
+        return self._router._nodes[node].last_chosen
+
+    def capacity(self, node: NodeId) -> int | None:
+        s = self._router._nodes[node].state
+        return None if s is None else s.l1_capacity + s.l2_capacity
+
+
 class Router:
-    def __init__(self, directory: Directory, config: RouterConfig = RouterConfig()) -> None:
+    """See the module docstring. ``prefill`` and ``decode`` are the choices it delegates
+    (:mod:`evinfra.router.strategy`; evinfra's by default). ``pool`` says whether the
+    engines read peers' host memory (the shared KV pool, paper 4.2): without it a request
+    reuses only the prefix its own node holds, and no fetch is planned (private host tiers,
+    as SGLang HiCache's L2, paper A.2)."""
+
+    def __init__(self, directory: Directory, config: RouterConfig = RouterConfig(), *,
+                 prefill: PrefillStrategy | None = None, decode: DecodeStrategy | None = None,
+                 pool: bool = True) -> None:
         self.directory = directory
         self.config = config
+        self.prefill = prefill if prefill is not None else TTFTStrategy()
+        self.decode = decode if decode is not None else FewestRequests()
+        self.pool = pool
         self._nodes: dict[NodeId, _Node] = {
             n: _Node(n, directory.index(n), directory.phase(n)) for n in directory.nodes}
         self._reqs: dict[RequestId, _Req] = {}
@@ -182,15 +281,16 @@ class Router:
                 if n.healthy and n.draining is None
                 and n.phase in (Phase.PREFILL, Phase.COLLOCATED)]
 
-    def route(self, req: RouteRequest, now: float) -> Route | Refusal:
-        """Choose ``n* = argmin T̂_n``, ties to the longest prefix in the node's own memory;
-        append the request to ``Q_{n*}``; place its branch on ``n*`` (Alg. E.2)."""
+    def route(self, req: RouteRequest, now: float) -> Route | Refusal | Held:
+        """Let the prefill strategy choose ``n*`` (evinfra: ``argmin T̂_n``, ties to the
+        longest prefix in the node's own memory); append the request to ``Q_{n*}``; place its
+        branch on ``n*`` (Alg. E.2). A decode strategy that binds at submit binds now."""
         r = self._reqs.get(req.request)
         if r is None:
             step = self.directory.step(req.branch, req.tokens, req.parent)
             t_in = int(np.asarray(req.tokens).size)
             need = int((t_in + req.max_tokens) * self.config.decode_reserve_tokens)
-            r = _Req(req.request, req.branch, step.path, t_in, need)
+            r = _Req(req.request, req.branch, step.path, t_in, need, req.final)
         nodes = self._prefill_nodes()
         if not nodes:
             log.warning("route_refused", request=req.request, phase="prefill",
@@ -198,44 +298,48 @@ class Router:
             return Refusal(req.request, "prefill", "no healthy prefill node outside a switch")
         self._reqs[r.id] = r
         match = self.directory.match(r.path.hashes)
-        best = self._choose(r, nodes, match, now)
+        view = _View(self, r, nodes, match, now)
+        best = self.prefill.choose(view)
+        if isinstance(best, Hold):
+            return Held(r.id, best.reason)
         n = self._nodes[best.node]
+        binding = None
+        if self.decode.at_submit and n.phase is not Phase.COLLOCATED:
+            dst = self._decode_node(r, now)
+            if dst is None:
+                log.warning("bind_refused", request=r.id, phase="decode",
+                            reason="no healthy decode node")
+                return Refusal(r.id, "decode", "no healthy decode node outside a switch")
+            binding = self._bind(r, n, dst)
         self._routed += 1
         n.last_chosen = self._routed
         n.queue.add(r.id, best.t_uc, best.t_c, best.t_rst)
         r.prefill = n.name
         r.started = r.done = False
         self.directory.place(r.branch, n.name)
-        return Route(r.id, n.name, r.path, self._fetch_plan(r, n, best, match), best, len(nodes))
+        self.prefill.routed(r.id, n.name, view)
+        return Route(r.id, n.name, r.path, self._fetch_plan(r, n, best, match), best, len(nodes),
+                     binding)
 
-    def _choose(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float) -> Prediction:
+    def take_released(self, now: float) -> list[RequestId]:
+        """Held requests the prefill strategy lets go now (route them again)."""
+        return self.prefill.released(now)
+
+    def _predict(self, r: _Req, n: _Node, match: PrefixMatch, now: float) -> Prediction:
+        """E.3 lines 6-9 on ``n``: the cached prefix ``t_c`` reaches as far as some node holds
+        it when the pool serves it (``x`` of it fetched), else only ``n``'s own prefix."""
         page = self.directory.page_size
         cap = r.t_in - 1  # at least one input token is computed
-        union = min(match.union * page, cap)
         cfg = self.config.ttft
-        best_key: tuple[float, int, int, str] | None = None
-        best_args: tuple = ()
-        for n in nodes:
-            own = min(match.own[n.idx] * page, cap)
-            x = union - own
-            if x < cfg.fetch_min_tokens:
-                x, t_c = 0, own  # below the fetch threshold the tokens are recomputed
-            else:
-                t_c = union
-            t_rst = own - min(match.own_l1[n.idx] * page, own) + x
-            t_rem = self._t_rem(n, now)
-            t_hat, _ = estimate(n.queue, self.coefficients(n.name), t_rem, r.t_in - t_c, t_c,
-                                t_rst, x, cfg)
-            # Smaller T̂; a tie goes to the longer own prefix (E.3 line 11), then to the node
-            # that was chosen least recently, so idle nodes share the work (and every node
-            # sees the warm-up traffic its fit needs).
-            key = (round(t_hat, 9), -own, n.last_chosen, n.name)
-            if best_key is None or key < best_key:
-                best_key = key
-                best_args = (n, t_rem, r.t_in - t_c, t_c, t_rst, x, own)
-        n, t_rem, t_uc, t_c, t_rst, x, own = best_args
-        return predict(n.name, n.queue, self.coefficients(n.name), t_rem, t_uc, t_c, t_rst, x,
-                       own, cfg)
+        own = min(match.own[n.idx] * page, cap)
+        x = min(match.union * page, cap) - own if self.pool else 0
+        if x < cfg.fetch_min_tokens:
+            x, t_c = 0, own  # below the fetch threshold the tokens are recomputed
+        else:
+            t_c = own + x
+        t_rst = own - min(match.own_l1[n.idx] * page, own) + x
+        return predict(n.name, n.queue, self.coefficients(n.name), self._t_rem(n, now),
+                       r.t_in - t_c, t_c, t_rst, x, own, cfg)
 
     def _fetch_plan(self, r: _Req, n: _Node, p: Prediction, match: PrefixMatch
                     ) -> list[FetchRun]:
@@ -270,14 +374,17 @@ class Router:
 
     def prefill_started(self, request: RequestId, node: NodeId, now: float
                         ) -> DecodeBinding | Refusal | None:
-        """Bind the request to the decode node with KV room and the fewest requests, and
-        place its branch there. None for an unknown or already bound request."""
+        """Bind the request to a decode node (the decode strategy's choice; evinfra's: KV
+        room and the fewest requests) and place its branch there. None for an unknown
+        request, one already started, or one bound at submit."""
         r = self._reqs.get(request)
         if r is None or r.started:
             return None
         r.started = True
         src = self._nodes[node]
         src.running_prefill.add(request)
+        if r.decode is not None:
+            return None
         if src.phase is Phase.COLLOCATED:
             dst = src
         else:
@@ -286,11 +393,23 @@ class Router:
                 log.warning("bind_refused", request=request, phase="decode",
                             reason="no healthy decode node")
                 return Refusal(request, "decode", "no healthy decode node outside a switch")
+        return self._bind(r, src, dst)
+
+    def _bind(self, r: _Req, src: _Node, dst: _Node) -> DecodeBinding:
         r.decode = dst.name
-        dst.decoding.add(request)
-        dst.unadmitted[request] = r.need
+        dst.decoding.add(r.id)
+        dst.unadmitted[r.id] = r.need
         self.directory.place(r.branch, dst.name)
-        return DecodeBinding(request, dst.name, node)
+        return DecodeBinding(r.id, dst.name, src.name)
+
+    def _unbind(self, r: _Req) -> None:
+        """A request bound at submit goes back to routing before its prefill started: its
+        decode node lets it go (the caller aborts the decode order)."""
+        if r.decode is not None and not r.started:
+            dst = self._nodes[r.decode]
+            dst.decoding.discard(r.id)
+            dst.unadmitted.pop(r.id, None)
+            r.decode = None
 
     def _room(self, n: _Node, now: float) -> int | None:
         s = n.state
@@ -303,16 +422,13 @@ class Router:
                  if n.healthy and n.draining is None and n.phase is Phase.DECODE]
         if not nodes:
             return None
-        rooms = {n.name: self._room(n, now) for n in nodes}
-        # A node without a fresh report may have room: it is not excluded, only ranked last
-        # among the nodes that do.
-        fits = [n for n in nodes if rooms[n.name] is None or rooms[n.name] >= r.need]
-        if fits:
-            return min(fits, key=lambda n: (rooms[n.name] is None, len(n.decoding), n.name))
-        n = max(nodes, key=lambda n: (rooms[n.name], -len(n.decoding), n.name))
-        log.info("decode_overcommitted", request=r.id, node=n.name, need=r.need,
-                 room=rooms[n.name])
-        return n
+        options = [DecodeOption(n.name, self._room(n, now), len(n.decoding)) for n in nodes]
+        chosen = self._nodes[self.decode.choose(r.need, options)]
+        room = next(o.room for o in options if o.node == chosen.name)
+        if room is not None and room < r.need:
+            log.info("decode_overcommitted", request=r.id, node=chosen.name, need=r.need,
+                     room=room)
+        return chosen
 
     # -- progress ------------------------------------------------------------------------
 
@@ -324,6 +440,7 @@ class Router:
         if n is not None:
             n.queue.remove(request)
             n.running_prefill.discard(request)
+        self.prefill.prefill_done(request, node)
         if r is not None and not r.done:
             r.done = True
             self.directory.settle(r.branch, node)
@@ -337,12 +454,13 @@ class Router:
             r.admitted = True
             self.directory.settle(r.branch, node)
 
-    def finished(self, request: RequestId) -> BranchId | None:
+    def finished(self, request: RequestId, now: float = 0.0) -> BranchId | None:
         """The request is over (done, failed for good, or aborted): forget it. Returns its
         branch."""
         r = self._reqs.pop(request, None)
         if r is None:
             return None
+        self.prefill.finished(request, now)
         for node in (r.prefill, r.decode):
             n = self._nodes.get(node) if node is not None else None
             if n is not None:
@@ -363,8 +481,10 @@ class Router:
         if n is not None:
             n.queue.remove(request)
             n.running_prefill.discard(request)
+        self.prefill.prefill_done(request, node)
         if started or r.started:
             return None
+        self._unbind(r)
         return self.route(RouteRequest(request, r.branch, None, 0), now)
 
     def node_down(self, node: NodeId) -> list[RequestId]:
@@ -402,6 +522,8 @@ class Router:
             n.queue.remove(request)
         if r is None:
             return None
+        self.prefill.prefill_done(request, node)
+        self._unbind(r)
         return self.route(RouteRequest(request, r.branch, None, 0), now)
 
     def drained(self, node: NodeId) -> bool:
@@ -449,3 +571,14 @@ class Router:
 
     def in_flight(self) -> int:
         return len(self._reqs)
+
+    def loads(self, now: float) -> list[NodeLoad]:
+        """Every node's load as the router sees it (O(requests bound to decode))."""
+        out = []
+        for n in self._nodes.values():
+            wait = estimate(n.queue, self.coefficients(n.name), self._t_rem(n, now), 0, 0, 0, 0,
+                            self.config.ttft)[1]
+            need = sum(self._reqs[q].need for q in n.decoding if q in self._reqs)
+            out.append(NodeLoad(n.name, n.phase.value, n.queue.U, wait, need,
+                                n.state.l1_capacity if n.state is not None else None))
+        return out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 
+from evinfra.baselines import POLICIES
 from evinfra.config import Config, load_config
 from evinfra.errors import ConfigError
 from evinfra.sim.harness import RunSpec, simulate
@@ -18,9 +19,6 @@ from evinfra.workloads import (GENERATORS, Phase, make_workload, paper_shift, po
                                read_trace, schedule_from_data)
 
 __all__ = ["add_parser", "build"]
-
-POLICIES = ("evinfra",)
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="run the control plane on fake engines in virtual time")
@@ -36,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--duration", type=float, default=3600.0, help="scored simulated seconds")
     s.add_argument("--warmup", type=float, default=1800.0, help="unscored simulated seconds first")
     s.add_argument("--seed", type=int, default=1)
-    s.add_argument("--policy", default="evinfra", choices=POLICIES)
+    s.add_argument("--policy", choices=POLICIES,
+                   help="the system to run (default: the config's [policy] name, evinfra)")
     s.add_argument("--out", required=True, help="directory for report.json, report.md, plots")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
@@ -116,8 +115,16 @@ def _progress(quiet: bool):
     return show
 
 
+def with_policy(config: Config, name: str | None) -> Config:
+    """``config`` running the policy ``name`` (its other ``[policy]`` keys kept)."""
+    if name is None:
+        return config
+    return msgspec.structs.replace(config, policy=msgspec.structs.replace(config.policy,
+                                                                          name=name))
+
+
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
+    config = with_policy(load_config(args.config), args.policy)
     workloads, spec, load = build(args, config)
     result = simulate(config, workloads, spec, _progress(args.no_progress))
     start, end = spec.warmup, spec.warmup + spec.duration
@@ -128,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
               for w in sorted(workloads)}
     nodes = len(config.cluster.nodes)
     p = config.cluster.initial_prefill
-    report = Report(RunInfo(spec.label, args.policy, args.seed, spec.warmup, spec.duration, nodes,
-                            f"{p}P{nodes - p}D", load),
+    report = Report(RunInfo(spec.label, config.policy.name, args.seed, spec.warmup, spec.duration,
+                            nodes, f"{p}P{nodes - p}D", load),
                     summary, result.control.summarise(start, end), by)
     write_report(Path(args.out), report, result.records, result.wall_seconds)
     s = summary

@@ -30,7 +30,8 @@ from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError
 from evinfra.service import Service, Submission
 from evinfra.sim.control import ControlRecorder
-from evinfra.workloads import AgentRequest, Arrival, Outcome, Phase, RequestRecord, Runner, Workload
+from evinfra.workloads import (AgentRequest, Arrival, Outcome, Phase, RequestRecord, Runner,
+                               RunnerStats, Workload)
 
 __all__ = ["RunSpec", "SimBackend", "SimResult", "simulate"]
 
@@ -96,11 +97,15 @@ class SimResult(msgspec.Struct):
     wall_seconds: float
     events: int
     """Clock callbacks run (the simulator's unit of work)."""
+    stats: RunnerStats = msgspec.field(default_factory=RunnerStats)
+    """The runner's counts: agents arrived, admitted, finished; requests sent, answered."""
 
 
 def simulate(config: Config, workloads: dict[str, Workload], spec: RunSpec,
-             progress: Callable[[float, float, int], None] | None = None) -> SimResult:
-    """Run one simulation to ``warmup + duration`` and return what it recorded."""
+             progress: Callable[[float, float, int], None] | None = None,
+             on_start: Callable[[Service], None] | None = None) -> SimResult:
+    """Run one simulation to ``warmup + duration`` and return what it recorded.
+    ``on_start`` sees the service before it starts (to subscribe extra recorders)."""
     server = msgspec.structs.replace(config.server, first_token_timeout_s=None,
                                      token_timeout_s=None)
     config = msgspec.structs.replace(config, server=server)
@@ -108,6 +113,8 @@ def simulate(config: Config, workloads: dict[str, Workload], spec: RunSpec,
     bus = Bus()
     service = Service.from_config(config, clock, bus, stream="batched")
     control = ControlRecorder(service, bus)
+    if on_start is not None:
+        on_start(service)
     asyncio.run(service.start())  # the fake drivers only schedule on the clock
     end = spec.warmup + spec.duration
     runner = Runner(SimBackend(service, clock), workloads, page_size=config.cluster.page_size,
@@ -127,5 +134,5 @@ def simulate(config: Config, workloads: dict[str, Workload], spec: RunSpec,
         if progress is not None:
             progress(now, end, runner.stats.answered)
     wall = time.perf_counter() - t0
-    return SimResult(runner.records, control, service, wall, clock.steps)
+    return SimResult(runner.records, control, service, wall, clock.steps, runner.stats)
 

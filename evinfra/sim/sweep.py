@@ -12,6 +12,7 @@ from typing import Iterable
 
 import msgspec
 
+from evinfra.baselines import resolve
 from evinfra.config import Config
 from evinfra.sim.harness import RunSpec, simulate
 from evinfra.sim.summary import Summary, summarise
@@ -27,10 +28,15 @@ class SplitResult(msgspec.Struct, frozen=True):
 
 
 def fixed_split(config: Config, prefill: int) -> Config:
-    """``config`` at a fixed split of ``prefill`` prefill nodes (the first ones listed)."""
+    """``config`` at a fixed split of ``prefill`` prefill nodes (the first ones listed): its
+    policy keeps its parts but its planner, which fits without adapting (evinfra's) or holds
+    the split from the start (the baselines')."""
     cluster = msgspec.structs.replace(config.cluster, initial_prefill=prefill)
     planner = msgspec.structs.replace(config.planner, adapt=False)
-    return msgspec.structs.replace(config, cluster=cluster, planner=planner)
+    kind = resolve(config.policy).planner
+    policy = msgspec.structs.replace(
+        config.policy, planner="evinfra-fixed" if kind.startswith("evinfra") else "static")
+    return msgspec.structs.replace(config, cluster=cluster, planner=planner, policy=policy)
 
 
 def sweep_splits(config: Config, workloads: dict[str, Workload], spec: RunSpec,

@@ -277,7 +277,10 @@ class NodeCache:
 
     def apply_hints(self, delta: HintDelta) -> None:
         """Regroup host blocks whose count crossed zero. A regrouped batch joins its group as
-        its newest entries; ordering it LRU and leaves first keeps eviction leaf-first."""
+        its newest entries; ordering it LRU and leaves first keeps eviction leaf-first.
+        Plain LRU eviction has no groups: the hints change nothing there."""
+        if not self._count_aware:
+            return
         self.order.apply_hints(HintDelta(self._leaf_first(delta.positive),
                                          self._leaf_first(delta.zero)))
 

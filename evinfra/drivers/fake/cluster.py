@@ -77,6 +77,11 @@ class FakeCluster:
         if target is not None:
             self._post(target, "source_ready", request)
 
+    def decode_reserved(self, request: RequestId, source: NodeId) -> None:
+        """The decode node preallocated the request's KV: its source may start the prefill
+        (``decode_prealloc``, SGLang PD's handshake, paper D.1)."""
+        self._post(source, "decode_reserved", request)
+
     def transfer_done(self, request: RequestId, source: NodeId) -> None:
         """The KV landed on the decode node: the source may let go of it."""
         self._post(source, "release_source", request)

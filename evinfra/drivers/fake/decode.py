@@ -2,10 +2,12 @@
 4.2, 5.1, D.1, Fig. 4d).
 
 A decode order fixes the request's output and waits for its source to finish the prefill.
-Then, FCFS as GPU room allows (no reservation before, paper D.1), the blocks this node's GPU
-lacks move from the source, and the request joins the batch at the next iteration boundary
-with its first token. Iterations with an unchanged batch form a :class:`Run`; ``batched``
-streaming sleeps through a run and reports it once (``IterationReport.count``).
+Then, FCFS as GPU room allows (no reservation before, paper D.1; with ``decode_prealloc``,
+SGLang's way, the room is reserved when the order arrives and the source waits for it), the
+blocks this node's GPU lacks move from the source, and the request joins the batch at the
+next iteration boundary with its first token. Iterations with an unchanged batch form a
+:class:`Run`; ``batched`` streaming sleeps through a run and reports it once
+(``IterationReport.count``).
 
 A mixin of :class:`~evinfra.drivers.fake.engine.FakeEngine` (see ``prefill.py``).
 """
@@ -47,18 +49,39 @@ class DecodeSide:
         if status == "done":
             d.state = _W.WAIT_ROOM
             self._room_wait.append(d)
+        elif self.config.decode_prealloc and d.source != self.node:
+            d.state = _W.PREALLOC
+            self._prealloc.append(d)
         self._kick()
 
     def _source_ready(self, request: RequestId) -> None:
         d = self._decodes.get(request)
         if d is not None and d.state is _W.WAIT_KV:
-            d.state = _W.WAIT_ROOM
-            self._room_wait.append(d)
+            if d.reserved:  # preallocated before the prefill: the transfer starts at once
+                self._transfer(d, self.clock.now())
+            else:
+                d.state = _W.WAIT_ROOM
+                self._room_wait.append(d)
             self._kick()
 
     def _admit_decodes(self, now: float) -> None:
-        """Start the transfers (FCFS) of requests whose KV is ready, as GPU room allows: the
-        decode node reserves only now, after the prefill (paper D.1)."""
+        """Reserve (FCFS) as GPU room allows: first the preallocations of ``decode_prealloc``
+        (SGLang PD reserves before the prefill and the source waits for it, paper D.1), then
+        the transfers of requests whose KV is ready (evinfra reserves only now, after the
+        prefill)."""
+        while self._prealloc:
+            d = self._prealloc[0]
+            need, ok = self._reserve(d, now)
+            if need > self.cache.l1_capacity:
+                self._forget(d.request, True)
+                self._out.append(RequestFailed(d.request, self.node, now,
+                                               "request exceeds the node's KV capacity", True))
+                continue
+            if not ok:
+                break
+            self._prealloc.pop(0)
+            d.state = _W.WAIT_KV
+            self.cluster.decode_reserved(d.request, d.source)
         while self._room_wait:
             d = self._room_wait[0]
             if d.source == self.node:
@@ -87,18 +110,29 @@ class DecodeSide:
         return True
 
     def _start_transfer(self, d: DecodeRecord, now: float) -> tuple[int, bool]:
-        """P->D: only the blocks missing from this node's GPU move (Fig. 4d). A decode node
-        never loads its own host copies: that would stall its batch (D.6)."""
+        need, ok = self._reserve(d, now)
+        if ok:
+            self._transfer(d, now)
+        return need, ok
+
+    def _reserve(self, d: DecodeRecord, now: float) -> tuple[int, bool]:
+        """GPU room for the blocks this node's GPU lacks and the output; its L1 prefix is
+        pinned. Returns the room needed and whether it was granted."""
         c, page = self.cache, self.config.page_size
         k1 = c.l1_prefix(d.path)
-        moved = d.n_in - k1 * page
-        need = moved + len(d.out)
+        need = d.n_in - k1 * page + len(d.out)
         if need > c.l1_capacity or need > c.kv_room or not c.reserve(need):
             return need, False
         c.lock(d.path, k1, now)
-        d.locked, d.reserved, d.state = k1, need, _W.TRANSFER
-        d.timer = self._at(now + moved * self.config.pd_s_per_token, self._transfer_done, d)
+        d.locked, d.reserved = k1, need
         return need, True
+
+    def _transfer(self, d: DecodeRecord, now: float) -> None:
+        """P->D: only the blocks missing from this node's GPU move (Fig. 4d). A decode node
+        never loads its own host copies: that would stall its batch (D.6)."""
+        moved = d.n_in - d.locked * self.config.page_size
+        d.state = _W.TRANSFER
+        d.timer = self._at(now + moved * self.config.pd_s_per_token, self._transfer_done, d)
 
     def _transfer_done(self, d: DecodeRecord) -> None:
         now, page, c = self.clock.now(), self.config.page_size, self.cache
@@ -213,7 +247,7 @@ class DecodeSide:
         self._room_freed()
 
     def _drop_decode(self, d: DecodeRecord) -> None:
-        for queue in (self._room_wait, self._ready, self._running):
+        for queue in (self._prealloc, self._room_wait, self._ready, self._running):
             if d in queue:
                 queue.remove(d)
         if self._run is not None and d in self._run.batch:

@@ -2,8 +2,10 @@
 
 The loop, run whenever no iteration is in flight:
 
-1. a pending phase switch waits for the started work (a chunked prefill, the decode batch),
-   then takes ``switch_latency`` and publishes ``PhaseSwitched``; meanwhile nothing new starts;
+1. a pending phase switch waits for the started work of the phase the node leaves (a chunked
+   prefill, or the decode batch), then takes ``switch_latency`` and publishes
+   ``PhaseSwitched``; meanwhile nothing of the old phase starts and the new phase's work goes
+   on (a collocated node leaving its warm-up keeps serving the phase it keeps);
 2. a prefill iteration packs up to ``chunk_tokens`` of ready requests, FCFS — the chunked
    request first, then queued requests whose peer fetch has landed (one still fetching is
    skipped, not waited for), stopping at the first that finds no GPU room;
@@ -34,8 +36,8 @@ import numpy as np
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
-from evinfra.core.events import (KVEvent, NodeDown, NodeState, PhaseSwitched, PrefillItem,
-                                 RequestFailed, Withdrawn)
+from evinfra.core.events import (AllBlocksCleared, KVEvent, NodeDown, NodeState, PhaseSwitched,
+                                 PrefillItem, RequestFailed, Withdrawn)
 from evinfra.core.types import Phase, RequestId
 from evinfra.directory.branches import HintDelta
 from evinfra.drivers.base import DecodeOrder, PrefillOrder
@@ -69,8 +71,9 @@ class FakeEngine(PrefillSide, DecodeSide):
         self.bus = bus
         self.cluster = cluster
         self.seed = seed
-        timing_rng, fault_rng = (np.random.default_rng(s) for s in
-                                 np.random.SeedSequence([seed, zlib.crc32(node.encode())]).spawn(2))
+        timing_rng, fault_rng, self._relaunch_rng = (
+            np.random.default_rng(s) for s in
+            np.random.SeedSequence([seed, zlib.crc32(node.encode())]).spawn(3))
         self.truth = GroundTruth(config, timing_rng)
         self.kv = KVPublisher(node, bus, fault_rng, config.kv_drop, config.kv_duplicate,
                               config.kv_reorder)
@@ -96,6 +99,7 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._inflight: list[tuple[PrefillRecord, PrefillItem]] = []
         self._handoff: dict[RequestId, PrefillRecord] = {}
         self._decodes: dict[RequestId, DecodeRecord] = {}
+        self._prealloc: list[DecodeRecord] = []
         self._room_wait: list[DecodeRecord] = []
         self._ready: list[DecodeRecord] = []
         self._running: list[DecodeRecord] = []
@@ -108,13 +112,13 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._enter(self._heartbeat)
 
     def submit_prefill(self, order: PrefillOrder) -> None:
-        if self.down:
+        if self.down or self._busy == "relaunch":
             self._fail_now(order.request, started=False)
         else:
             self._enter(self._submit_prefill, order)
 
     def submit_decode(self, order: DecodeOrder) -> None:
-        if self.down:
+        if self.down or self._busy == "relaunch":
             self._fail_now(order.request, started=True)
         else:
             self._enter(self._submit_decode, order)
@@ -146,6 +150,15 @@ class FakeEngine(PrefillSide, DecodeSide):
         self.down, self.stalled = True, False
         self._deferred.clear()
         self._kv_events.clear()
+        self._fail_all(now, f"node {self.node} down: {reason}")
+        self._out.append(NodeDown(self.node, now, reason))
+        self.cache.clear()
+        self._flush()
+        self.cluster.node_down(self.node)
+
+    def _fail_all(self, now: float, error: str) -> None:
+        """Every request on the node fails (``started`` as far as it got) and is forgotten,
+        timers cancelled; the cache is left to the caller."""
         if self._timer is not None:
             self._timer.cancel()
         failed: dict[RequestId, bool] = {}
@@ -157,18 +170,14 @@ class FakeEngine(PrefillSide, DecodeSide):
             failed[d.request] = True
             if d.timer is not None:
                 d.timer.cancel()
-        error = f"node {self.node} down: {reason}"
         for request, started in failed.items():
             self._out.append(RequestFailed(request, self.node, now, error, started))
-        self._out.append(NodeDown(self.node, now, reason))
         for table in (self._prefills, self._queue, self._handoff, self._decodes):
             table.clear()
-        for queue in (self._room_wait, self._ready, self._running, self._inflight):
+        for queue in (self._prealloc, self._room_wait, self._ready, self._running,
+                      self._inflight):
             queue.clear()
         self._chunked = self._run = None
-        self.cache.clear()
-        self._flush()
-        self.cluster.node_down(self.node)
 
     def stall(self) -> None:
         """Stop making progress and publishing until :meth:`resume` (a stuck engine)."""
@@ -194,6 +203,9 @@ class FakeEngine(PrefillSide, DecodeSide):
 
     def source_ready(self, request: RequestId) -> None:
         self._enter(self._source_ready, request)
+
+    def decode_reserved(self, request: RequestId) -> None:
+        self._enter(self._decode_reserved, request)
 
     def release_source(self, request: RequestId) -> None:
         self._enter(self._release_source, request)
@@ -278,7 +290,12 @@ class FakeEngine(PrefillSide, DecodeSide):
     def _schedule(self) -> None:
         now = self.clock.now()
         self._admit_decodes(now)
-        if self._switch_to is not None and self._chunked is None and not self._running:
+        target = self._switch_to
+        # A switch waits only for the work of the phase the node leaves; the new phase's work
+        # goes on meanwhile (a collocated node serves both until then).
+        busy_in_old = (bool(self._running) if target is Phase.PREFILL
+                       else self._chunked is not None)
+        if target is not None and not busy_in_old:
             self._busy, self._run = "switch", None
             self._timer = self._at(now + self.config.switch_latency, self._switch_done)
             return
@@ -286,7 +303,7 @@ class FakeEngine(PrefillSide, DecodeSide):
         if chunks:
             self._launch_prefill(chunks, now)
             return
-        if self._switch_to is None:
+        if target is not Phase.PREFILL:
             self._join(now)
         if self._running:
             self._launch_decode(now)
@@ -297,8 +314,30 @@ class FakeEngine(PrefillSide, DecodeSide):
             self._state(now)
 
     def _switch_phase(self, phase: Phase) -> None:
+        # The worker of a relaunching cluster is launched for one phase: the first switch
+        # out of the collocated start is its launch, any later change a relaunch.
+        launched = self._switch_to if self.phase is Phase.COLLOCATED else self.phase
+        if self.config.switch == "relaunch" and launched not in (None, phase):
+            self._relaunch(phase)
+            return
         self._switch_to = phase
         self._kick()
+
+    def _relaunch(self, phase: Phase) -> None:
+        """Dynamo's switch (paper A.1): the worker exits, its KV dropped
+        (``AllBlocksCleared``), and serves ``phase`` once the new worker is up. The control
+        plane drains the node first (graceful shutdown); a request still on it fails (the
+        peers' side is settled by the control plane's aborts)."""
+        now = self.clock.now()
+        for request in list(self._prefills) + list(self._decodes):
+            self.cluster.forget(request)
+        self._fail_all(now, f"node {self.node} relaunching as {phase.value}")
+        self.cache.clear()
+        self._kv_events.append(AllBlocksCleared())
+        low, high = self.config.relaunch_s
+        self._switch_to, self._busy, self._was_busy = phase, "relaunch", False
+        self._timer = self._at(now + float(self._relaunch_rng.uniform(low, high)),
+                               self._switch_done)
 
     def _switch_done(self) -> None:
         now = self.clock.now()
@@ -350,7 +389,8 @@ class FakeEngine(PrefillSide, DecodeSide):
         """``peer`` crashed and reported its requests failed: drop this node's side of them
         (KV it would have sent or received)."""
         for d in list(self._decodes.values()):
-            if d.source == peer and d.state in (_W.WAIT_KV, _W.WAIT_ROOM, _W.TRANSFER):
+            if d.source == peer and d.state in (_W.PREALLOC, _W.WAIT_KV, _W.WAIT_ROOM,
+                                                 _W.TRANSFER):
                 self._forget(d.request, False)
         for rec in list(self._prefills.values()):
             if rec.started and self.cluster.target(rec.request) == peer:

@@ -1,11 +1,12 @@
 """The prefill side of the fake engine: admission, peer fetch, chunked packing (paper 4.2,
 5.1, D.1, D.6).
 
-A prefill order pins the node's own cached prefix and starts its peer fetch at once; it is
-ready when the fetch lands. Packing is FCFS over ready requests within the chunk budget; a
-request gets GPU room (restore of its host-only prefix, its uncomputed input) only when its
-first chunk launches, and its computed pages enter the cache chunk by chunk. When its last
-chunk ends it keeps its KV pinned for the decode side until the transfer lands.
+A prefill order starts its peer fetch at once and pins nothing while it waits; it is ready
+when the fetch lands. Packing is FCFS over ready requests within the chunk budget; a request
+pins its cached prefix and gets GPU room (restore of its host-only prefix, its uncomputed
+input) only when its first chunk launches, and its computed pages enter the cache chunk by
+chunk. When its last chunk ends it keeps its KV pinned for the decode side until the transfer
+lands.
 
 A mixin of :class:`~evinfra.drivers.fake.engine.FakeEngine`: it reads and writes the
 engine's state and calls its loop (``_kick``, ``_schedule``), never the other way round
@@ -18,7 +19,7 @@ import structlog
 
 from evinfra.core.events import (IterationReport, PrefillDone, PrefillItem, PrefillStarted,
                                  RequestFailed)
-from evinfra.core.types import RequestId, Tier
+from evinfra.core.types import Phase, RequestId, Tier
 from evinfra.drivers.base import PrefillOrder
 from evinfra.drivers.fake.records import PrefillRecord
 
@@ -35,24 +36,35 @@ class PrefillSide:
         if order.request in self._prefills:
             log.warning("fake_engine_duplicate_order", node=self.node, request=order.request)
             return
-        rec = PrefillRecord(order, page)
+        mode = self.config.peer_fetch
+        awaiting = self.config.decode_prealloc and self.phase is Phase.PREFILL
+        rec = PrefillRecord(order, page, bool(order.fetch) and mode != "none", awaiting)
         if rec.n_in == 0:
             self._out.append(RequestFailed(rec.request, self.node, now, "empty prompt", False))
             return
-        rec.locked = self.cache.prefix(rec.path)
-        self.cache.lock(rec.path, rec.locked, now)
-        if order.fetch:
+        if rec.fetch and mode == "queued":
             tokens = sum(len(run.blocks) for run in order.fetch) * page
             delay = self.config.fetch_latency + tokens * self.config.fetch_s_per_token
+            rec.fetching = True
             rec.timer = self._at(now + delay, self._fetch_done, rec)
         self._prefills[rec.request] = self._queue[rec.request] = rec
         self._dirty |= rec.ready
         self._kick()
 
     def _fetch_done(self, rec: PrefillRecord) -> None:
-        """The fetch landed (paper 4.2, D.6): keep the contiguous part the peers still hold,
-        in own L2 and L1 with the own host copies before it; the rest will be recomputed."""
-        now, path = self.clock.now(), rec.path
+        """The fetch landed while the request waited (paper 4.2, D.6)."""
+        self._pull(rec, self.clock.now())
+        rec.fetching, rec.timer = False, None
+        self._dirty = True
+        self._kick()
+
+    def _pull(self, rec: PrefillRecord, now: float) -> int:
+        """Keep the contiguous part of the fetch plan the peers still hold, in own L2 and L1
+        with the own host copies before it; the rest will be recomputed. Pins nothing: a
+        queued request holding its prefix would let a long queue fill L1 with pins and
+        starve admission (the pin comes with the first chunk). Returns the blocks that
+        arrived."""
+        path = rec.path
         target = self.cache.prefix(path)
         for run in sorted(rec.order.fetch, key=lambda r: r.start):
             end = min(run.start + len(run.blocks), len(path))
@@ -67,16 +79,28 @@ class PrefillSide:
         res = self.cache.insert(path, target, rec.tokens, now)
         rec.fetched = res.added
         rec.restored += res.restored + res.added
-        held = self.cache.prefix(path)
-        self.cache.extend_lock(path, rec.locked, held, now)
-        rec.locked, rec.ready, rec.timer = held, True, None
-        self._dirty = True
-        self._kick()
+        rec.fetch = False
+        return res.added
+
+    def _decode_reserved(self, request: RequestId) -> None:
+        """The decode node reserved the request's KV (SGLang PD's handshake, paper D.1)."""
+        rec = self._queue.get(request)
+        if rec is not None and rec.awaiting:
+            rec.awaiting = False
+            self._dirty |= rec.ready
+            self._kick()
 
     def _admit_prefill(self, rec: PrefillRecord, now: float) -> str:
         """Give a request its first chunk: restore its host-only prefix, reserve GPU room for
         the rest of its input (no reservation while queued, paper D.1)."""
         c, page, path = self.cache, self.config.page_size, rec.path
+        if rec.fetch:
+            # Fetched only now (``peer_fetch = "prefill_start"``): the load stalls the
+            # iteration that consumes it (paper D.6), once.
+            added = self._pull(rec, now)
+            if added:
+                rec.load_s = (self.config.fetch_latency
+                              + added * page * self.config.fetch_s_per_token)
         held = c.prefix(path)  # other requests may have stored more of it meanwhile
         c.extend_lock(path, rec.locked, held, now)
         rec.locked = held
@@ -102,7 +126,7 @@ class PrefillSide:
             chunks.append((rec, PrefillItem(rec.request, t, rec.done, 0)))
             budget -= t
             self._chunked = None
-        if self._switch_to is not None:
+        if self._switch_to is Phase.DECODE:
             return chunks
         started, failed = [], []
         for rec in self._queue.values():
@@ -132,6 +156,9 @@ class PrefillSide:
     def _launch_prefill(self, chunks: list[tuple[PrefillRecord, PrefillItem]], now: float) -> None:
         items = [item for _, item in chunks]
         duration = self.truth.prefill(items)
+        for rec, _ in chunks:
+            duration += rec.load_s
+            rec.load_s = 0.0
         self._inflight, self._busy, self._was_busy, self._run = chunks, "prefill", True, None
         self._timer = self._at(now + duration, self._end_prefill, now, duration)
         self._state(now, items)

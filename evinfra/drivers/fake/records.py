@@ -25,16 +25,19 @@ class PrefillRecord:
     ``locked`` blocks of the path are pinned; ``reserved`` GPU tokens are held outside the
     tree (the uncomputed input, then the input's partial last page)."""
 
-    __slots__ = ("order", "request", "tokens", "path", "n_in", "ready", "started", "aborted",
-                 "locked", "reserved", "cached", "fetched", "restored", "done", "timer")
+    __slots__ = ("order", "request", "tokens", "path", "n_in", "fetch", "fetching", "awaiting",
+                 "started", "aborted", "locked", "reserved", "cached", "fetched", "restored",
+                 "done", "load_s", "timer")
 
-    def __init__(self, order: PrefillOrder, page: int) -> None:
+    def __init__(self, order: PrefillOrder, page: int, fetch: bool, awaiting: bool) -> None:
         self.order = order
         self.request = order.request
         self.tokens: np.ndarray = as_tokens(order.tokens)
         self.n_in = int(self.tokens.size)
         self.path = order.path[: self.n_in // page]
-        self.ready = not order.fetch
+        self.fetch = fetch  # the peer fetch of the order is still to be done
+        self.fetching = False  # ... and is under way while the request waits
+        self.awaiting = awaiting  # its decode node has not reserved its KV yet (D.1)
         self.started = False
         self.aborted = False
         self.locked = 0
@@ -43,10 +46,17 @@ class PrefillRecord:
         self.fetched = 0  # blocks that arrived from peers
         self.restored = 0  # blocks loaded into L1 for it: fetched plus own host copies (t_rst)
         self.done = 0  # input tokens whose KV exists
+        self.load_s = 0.0  # a fetch at prefill start: seconds it adds to the first chunk
         self.timer: Timer | None = None
+
+    @property
+    def ready(self) -> bool:
+        """May be packed: no fetch under way, no decode reservation awaited."""
+        return not self.fetching and not self.awaiting
 
 
 class DecodeState(enum.Enum):
+    PREALLOC = "prealloc"  # waits for GPU room to reserve before the prefill (D.1)
     WAIT_KV = "wait_kv"  # the source is still prefilling
     WAIT_ROOM = "wait_room"  # the KV is ready at the source; no GPU room here yet
     TRANSFER = "transfer"

@@ -34,6 +34,11 @@ def path(toks: np.ndarray) -> list[int]:
     return block_hashes(toks, PAGE)
 
 
+# The timings these tests were written against: a fast prefill, so that scenarios settle in
+# seconds. The defaults are calibrated for the simulator's sweeps and may change.
+TEST_TIMING = {"c1": 2e-5, "c2": 1e-10}
+
+
 class Harness:
     def __init__(self, nodes: Iterable[tuple[str, Phase]] = (("p0", Phase.PREFILL),
                                                              ("d0", Phase.DECODE)),
@@ -44,7 +49,8 @@ class Harness:
         for t in EVENTS:
             self.bus.subscribe(t, self.events.append)
         self.bus.subscribe(PrefillStarted, self._bind)
-        self.cluster = FakeCluster(list(nodes), FakeEngineConfig(**config), self.clock,
+        self.cluster = FakeCluster(list(nodes), FakeEngineConfig(**{**TEST_TIMING, **config}),
+                                   self.clock,
                                    self.bus, seed)
         self.engines = self.cluster.engines
         self.cluster.start()

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from fake_harness import PAGE, Harness, path, tokens
+from fake_harness import PAGE, TEST_TIMING, Harness, path, tokens
 
 from evinfra.core.events import (IterationReport, NodeKVEvents, NodeState, PrefillDone,
                                  PrefillStarted, TokensOut)
@@ -12,7 +12,7 @@ from evinfra.drivers.base import DecodeOrder
 from evinfra.drivers.fake import FakeEngineConfig
 from evinfra.drivers.fake.timing import phi
 
-CFG = FakeEngineConfig()
+CFG = FakeEngineConfig(**TEST_TIMING)
 
 
 def first_token_time(h: Harness, request: str) -> float:

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from fake_harness import Harness, path, tokens
+from fake_harness import TEST_TIMING, Harness, path, tokens
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
@@ -13,7 +13,7 @@ from evinfra.core.types import Phase, Tier
 from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
 from evinfra.drivers.fake import FakeCluster, FakeEngineConfig
 
-CFG = FakeEngineConfig()
+CFG = FakeEngineConfig(**TEST_TIMING)
 
 
 def test_a_switch_waits_for_running_requests_and_keeps_the_kv() -> None:
@@ -34,7 +34,7 @@ def test_a_switch_waits_for_running_requests_and_keeps_the_kv() -> None:
     assert states[-1].phase == "prefill"
 
 
-def test_nothing_new_starts_during_a_switch() -> None:
+def test_a_switch_to_prefill_waits_for_the_decode_batch_and_keeps_prefilling() -> None:
     h = Harness(nodes=[("c0", Phase.COLLOCATED)])
     h.submit("a", tokens(3_000), prefill="c0", decode="c0", max_tokens=100)
     h.run(0.2)
@@ -42,7 +42,21 @@ def test_nothing_new_starts_during_a_switch() -> None:
     h.submit("b", tokens(3_000, seed=1), prefill="c0", decode="c0", max_tokens=5)
     h.run(30)
     switched = h.one(PhaseSwitched).time
-    assert h.output("a")[2] < switched <= h.one(PrefillStarted, request="b").time
+    # The phase it keeps goes on; the phase it leaves starts nothing new until the switch.
+    assert h.one(PrefillStarted, request="b").time < h.output("a")[2] < switched
+    assert h.of(TokensOut, request="b")[0].time >= switched
+
+
+def test_a_switch_to_decode_waits_only_for_the_chunked_prefill() -> None:
+    h = Harness(nodes=[("c0", Phase.COLLOCATED)])
+    h.submit("a", tokens(3_000), prefill="c0", decode="c0", max_tokens=400)
+    h.run(0.2)
+    h.engines["c0"].switch_phase(Phase.DECODE)
+    h.submit("b", tokens(3_000, seed=1), prefill="c0", decode="c0", max_tokens=5)
+    h.run(60)
+    switched = h.one(PhaseSwitched).time
+    assert switched < h.output("a")[2]  # its decode batch did not hold the switch
+    assert h.one(PrefillStarted, request="b").time >= switched
 
 
 def test_withdraw_takes_back_only_requests_whose_prefill_has_not_started() -> None:
@@ -123,7 +137,7 @@ def test_a_stalled_engine_is_silent_until_resumed() -> None:
 async def test_fake_driver_serves_on_the_wall_clock() -> None:
     bus = Bus()
     cluster = FakeCluster([("p0", Phase.PREFILL), ("d0", Phase.DECODE)],
-                          FakeEngineConfig(), WallClock(), bus)
+                          FakeEngineConfig(**TEST_TIMING), WallClock(), bus)
     drivers = cluster.drivers()
     assert all(isinstance(d, EngineDriver) for d in drivers.values())
     for d in drivers.values():

@@ -1,7 +1,7 @@
 """Chunked prefill, FCFS packing, prefix reuse, host restores and peer fetches."""
 
 import pytest
-from fake_harness import PAGE, Harness, path, tokens
+from fake_harness import PAGE, TEST_TIMING, Harness, path, tokens
 
 from evinfra.core.events import (IterationReport, NodeKVEvents, PrefillDone, PrefillStarted,
                                  RequestFailed, Withdrawn)
@@ -9,7 +9,7 @@ from evinfra.core.types import Phase
 from evinfra.drivers.base import FetchRun
 from evinfra.drivers.fake import FakeEngineConfig
 
-CFG = FakeEngineConfig()
+CFG = FakeEngineConfig(**TEST_TIMING)
 THREE = [("p0", Phase.PREFILL), ("p1", Phase.PREFILL), ("d0", Phase.DECODE)]
 
 

@@ -3,14 +3,14 @@ for decode, with seeded multiplicative noise."""
 
 import numpy as np
 import pytest
-from fake_harness import Harness, tokens
+from fake_harness import TEST_TIMING, Harness, tokens
 
 from evinfra.core.events import IterationReport, PrefillItem
 from evinfra.core.types import Phase, qk_pairs
 from evinfra.drivers.fake import FakeEngineConfig
 from evinfra.drivers.fake.timing import GroundTruth, phi
 
-CFG = FakeEngineConfig()
+CFG = FakeEngineConfig(**TEST_TIMING)
 
 
 def eq1(items: list[PrefillItem]) -> float:
@@ -58,7 +58,7 @@ def test_decode_iterations_match_eq2_plus_the_context_term() -> None:
 
 def test_noise_is_multiplicative_seeded_and_bounded() -> None:
     items = [PrefillItem("r", 4096, 10_000, 500)]
-    noisy = FakeEngineConfig(noise=0.05)
+    noisy = FakeEngineConfig(**TEST_TIMING, noise=0.05)
     a = [GroundTruth(noisy, np.random.default_rng(1)).prefill(items) for _ in range(2)]
     assert a[0] == a[1]
     g = GroundTruth(noisy, np.random.default_rng(2))

@@ -1,0 +1,13 @@
+"""The paper's experiments as commands (issue 7): ``evinfra experiment NAME [--quick]``.
+
+See ``README.md``. Each experiment module has ``TITLE``, ``plans(config, scale, seed)`` (the
+simulations to run, as :class:`~evinfra.experiments.runs.RunPlan` data) and
+``report(runs, scale, config_path, seed)`` (tables and plots from their outcomes).
+"""
+
+from evinfra.experiments import fig3, fig6, fig7, fig8, table_d2, table_d4
+
+EXPERIMENTS = {"fig3": fig3, "fig6": fig6, "fig7": fig7, "fig8": fig8, "tableD2": table_d2,
+               "tableD4": table_d4}
+
+__all__ = ["EXPERIMENTS"]

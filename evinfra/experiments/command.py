@@ -1,0 +1,93 @@
+"""``evinfra experiment NAME [--quick] [--out DIR]``: plan the runs, play them, write the
+tables and plots.
+
+Each run's outcome is saved in ``OUT/runs/KEY.json`` as it finishes, with the digest of its
+plan; a later invocation with the same plans reuses them, so a long experiment can be played
+in parts (``--only 'cc-*'``) and resumed after an interruption."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from evinfra.config import load_config
+from evinfra.experiments import EXPERIMENTS
+from evinfra.experiments.report import write
+from evinfra.experiments.runs import RunOutcome, RunPlan, run_plans
+from evinfra.experiments.scale import FULL, QUICK
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("experiment", help="run one of the paper's experiments in the simulator")
+    e.add_argument("name", choices=sorted(EXPERIMENTS), help="the figure or table")
+    e.add_argument("--quick", action="store_true",
+                   help="fewer agents and shorter windows (minutes on two cores); see the output")
+    e.add_argument("--config", default="etc/cluster.toml",
+                   help="TOML config of the cluster and the systems (etc/cluster.toml)")
+    e.add_argument("--out", help="output directory (default: runs/NAME[-quick])")
+    e.add_argument("--seed", type=int, default=1)
+    e.add_argument("--jobs", type=int, default=2, help="simulations run at once (processes)")
+    e.add_argument("--only", metavar="GLOB",
+                   help="play only the runs whose key matches (the others come from earlier "
+                        "outcomes in OUT/runs/, or are left out of the tables)")
+    e.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="error")
+    e.set_defaults(func=run)
+
+
+def _earlier(saved: Path, plans: list[RunPlan]) -> dict[str, RunOutcome]:
+    """Outcomes saved by an earlier invocation for exactly these plans."""
+    out = {}
+    for plan in plans:
+        f = saved / f"{plan.key}.json"
+        if f.exists():
+            o = msgspec.json.decode(f.read_bytes(), type=RunOutcome)
+            if o.digest == plan.digest:
+                out[plan.key] = o
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    experiment = EXPERIMENTS[args.name]
+    scale = QUICK if args.quick else FULL
+    config = load_config(args.config)
+    out = Path(args.out or f"runs/{args.name}{'-quick' if args.quick else ''}")
+    plans = experiment.plans(config, scale, args.seed)
+    saved = out / "runs"
+    runs = _earlier(saved, plans)
+    todo = [p for p in plans if p.key not in runs
+            and (args.only is None or fnmatch.fnmatch(p.key, args.only))]
+    print(f"{experiment.TITLE}\n{scale.describe()}\n{len(plans)} runs: {len(runs)} done "
+          f"earlier, {len(todo)} to play, {args.jobs} at a time; output in {out}", flush=True)
+    t0 = time.perf_counter()
+    saved.mkdir(parents=True, exist_ok=True)
+
+    def progress(o: RunOutcome, done: int, total: int) -> None:
+        (saved / f"{o.key}.json").write_bytes(msgspec.json.encode(o))
+        s = o.summary
+        print(f"  [{done}/{total}] {o.key}: {s.throughput:.3g} req/s, E2E {s.e2e.mean:.3g} s, "
+              f"TTFT P95 {s.ttft.p95:.3g} s, lost reuse {100 * s.lost_kv_reuse:.2f} % "
+              f"({o.wall_s:.0f} s wall)", file=sys.stderr, flush=True)
+
+    runs.update(run_plans(todo, jobs=args.jobs, progress=progress))
+    missing = [p.key for p in plans if p.key not in runs]
+    if missing:
+        print(f"not played (left out of the tables): {', '.join(missing)}", flush=True)
+    report, plots = experiment.report(runs, scale, args.config, args.seed)
+    fake = config.fake
+    report = msgspec.structs.replace(report, engine={
+        k: float(getattr(fake, k)) for k in ("c0", "c1", "c2", "c3", "d0", "d1", "d2",
+                                             "l1_tokens", "l2_tokens")})
+    if missing:
+        report = msgspec.structs.replace(
+            report, notes=report.notes + [f"Not played: {', '.join(missing)}."])
+    files = write(out, report, plots, wall=time.perf_counter() - t0)
+    print((out / "results.md").read_text())
+    print(f"wrote {', '.join(str(f) for f in files)} in {time.perf_counter() - t0:.0f} s")
+    return 0

@@ -1,0 +1,115 @@
+"""Figure 8 (paper 6.4): sensitivity to the initial split, the contribution of each
+component, and how fast the iteration-time models converge, on CC with 126 agents.
+
+(a) evinfra from 3P6D, 4P5D, 5P4D and 6P3D: mean E2E (paper: within 1.8 %, all converging to
+4P5D); (b) throughput at 4P5D, relative to SGLang PD at 4P5D: evinfra without adaptation
+(paper 1.37x), with it (0.3 % less than without), and evinfra without adaptation minus one
+component each: LRU instead of counts, the pool loaded at prefill start instead of while
+queued (D.6: async fetching alone 1.12x), cache-aware instead of Eq. 7 routing (D.5);
+(c) mean error of the models fitted on the first t seconds of the collocated warm-up,
+against the iterations after it (paper: low within a minute).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from evinfra.config import Config
+from evinfra.experiments.common import closed, label, system
+from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
+from evinfra.experiments.runs import RunOutcome, RunPlan
+from evinfra.experiments.scale import Scale
+
+__all__ = ["TITLE", "plans", "report"]
+
+TITLE = "Figure 8: initial split, component ablation, model convergence on CC with 126 agents"
+AGENTS = 126
+INITIAL = (3, 4, 5, 6)
+ABLATIONS = (("evinfra, fixed 4P5D", {}), ("- counts (LRU)", {"eviction": "lru"}),
+             ("- fetch while queued", {"peer_fetch": "prefill-start"}),
+             ("- Eq. 7 routing (cache-aware)", {"router": "cache-aware"}))
+LEARN = (5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
+    agents = {"cc": scale.count(AGENTS)}
+    out = [closed(f"initial-{p}P", f"evinfra from {label(config, p)}",
+                  system(config, "evinfra", prefill=p), scale, seed, agents) for p in INITIAL]
+    out.append(closed("static-4P", "SGLang PD 4P5D",
+                      system(config, "static-sglang", prefill=4, fixed=True), scale, seed,
+                      agents))
+    for i, (name, parts) in enumerate(ABLATIONS):
+        out.append(closed(f"ablation-{i}", name,
+                          system(config, "evinfra-fixed", prefill=4, fixed=True, **parts),
+                          scale, seed, agents))
+    t_learn = scale.configure(config).planner.t_learn
+    learn = [t for t in LEARN if t < t_learn] + [t_learn]
+    return [msgspec.structs.replace(p, fits_at=learn) if p.key == "initial-4P" else p
+            for p in out]
+
+
+def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: int):
+    initial = [runs[f"initial-{p}P"] for p in INITIAL if f"initial-{p}P" in runs]
+    e2e = [o.summary.e2e.mean for o in initial]
+    spread = (max(e2e) / min(e2e) - 1) * 100 if e2e and min(e2e) > 0 else math.nan
+    a = [[o.system, o.summary.e2e.mean, o.summary.throughput, o.control.final_split,
+          o.control.switches] for o in initial]
+    static = runs.get("static-4P")
+    base = static.summary.throughput if static else math.nan
+    b_runs = ([static] if static else []) + [runs[f"ablation-{i}"] for i in range(len(ABLATIONS))
+                                             if f"ablation-{i}" in runs]
+    if "initial-4P" in runs:
+        b_runs.insert(2 if static else 1, runs["initial-4P"])
+    b = [[o.system, o.summary.throughput, o.summary.throughput / base if base else None,
+          100 * o.summary.lost_kv_reuse, o.summary.ttft.mean] for o in b_runs]
+    conv = runs["initial-4P"].convergence if "initial-4P" in runs else []
+    c = [[t, 100 * pe if not math.isnan(pe) else None, 100 * de if not math.isnan(de) else None]
+         for t, pe, de in conv]
+    tables = [
+        Table(title="(a) Initial split", columns=["system", "mean E2E (s)",
+                                                   "throughput (req/s)", "final split",
+                                                   "switches"], rows=a,
+              note=f"Mean E2E varies by {spread:.3g} % across the initial splits (paper: at "
+                   "most 1.8 %, every run converging to 4P5D)."),
+        Table(title="(b) Components at 4P5D", columns=["system", "throughput (req/s)",
+                                                        "× SGLang PD 4P5D", "lost KV reuse (%)",
+                                                        "mean TTFT (s)"], rows=b,
+              note="Paper: evinfra without adaptation 1.37x SGLang PD at 4P5D; adaptation "
+                   "costs 0.3 %; async fetching alone 1.12x (D.6); cache-aware routing loses "
+                   "2.4 % of the reuse against 0.7 % (D.5)."),
+        Table(title="(c) Model convergence (evinfra from 4P5D)",
+              columns=["learning time (s)", "prefill error (%)", "decode error (%)"], rows=c,
+              note="Models fitted on the collocated iterations before each time, evaluated "
+                   "on every iteration after the warm-up."),
+        Table(title="All runs", columns=["run"] + METRICS,
+              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+    ]
+    plots = [
+        ("fig8a.png", lambda p: bars(p, "(a) mean E2E by initial split",
+                                     [o.system.split()[-1] for o in initial],
+                                     {"mean E2E": e2e}, "seconds")),
+        ("fig8b.png", lambda p: bars(p, "(b) throughput at 4P5D", [r[0] for r in b],
+                                     {"req/s": [r[1] for r in b]}, "req/s")),
+        ("fig8c.png", lambda p: _convergence(p, conv)),
+    ]
+    return ExperimentReport(name="fig8", title=TITLE, scale=scale.describe(),
+                            config=config_path, seed=seed, tables=tables, runs=runs), plots
+
+
+def _convergence(path, conv) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    if conv:
+        ts = [t for t, _, _ in conv]
+        ax.plot(ts, [100 * x for _, x, _ in conv], marker="o", label="prefill")
+        ax.plot(ts, [100 * x for _, _, x in conv], marker="s", label="decode")
+        ax.set_xscale("log")
+    ax.set_xlabel("learning time (s)")
+    ax.set_ylabel("mean error (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

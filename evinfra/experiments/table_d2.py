@@ -1,0 +1,115 @@
+"""Table D.2 (paper D.3): open-loop agent arrivals on CC, and the highest arrival rate each
+system sustains.
+
+Agents arrive in a Poisson process at 0.5 to 1.5 per minute (steps of 0.25), the same
+arrivals for every system; at most 258 run at once, and an agent's wait for admission counts
+toward its first request's TTFT and E2E. A system sustains a rate if its P50 and P95 TTFT
+stay within 5 s and 15 s, its P50 E2E within 10 s, it admits at least 90 % of the arriving
+agents, and fewer than 0.5 % of its requests fail. Systems: evinfra from 4P5D, SGLang PD at
+4P5D, Dynamo from 6P3D; minutes 30 to 90 scored. Paper: evinfra sustains 1.0 agents/min,
+static 4P5D 0.5, Dynamo none.
+"""
+
+from __future__ import annotations
+
+from evinfra.config import Config
+from evinfra.experiments.common import system
+from evinfra.experiments.report import ExperimentReport, Table, higher, steps
+from evinfra.experiments.runs import RunOutcome, RunPlan
+from evinfra.experiments.scale import FULL, Scale
+from evinfra.sim.harness import RunSpec
+from evinfra.workloads import poisson_arrivals
+
+__all__ = ["TITLE", "plans", "report"]
+
+TITLE = "Table D.2: open-loop arrivals on CC, the highest sustained rate"
+RATES = (0.5, 0.75, 1.0, 1.25, 1.5)
+"""Agents per minute (paper D.3)."""
+CAP = 258
+TARGETS = {"p50_ttft": 5.0, "p95_ttft": 15.0, "p50_e2e": 10.0, "admitted": 0.9,
+           "errors": 0.005}
+
+
+def systems(config: Config) -> dict[str, Config]:
+    return {"evinfra": system(config, "evinfra", prefill=4),
+            "static 4P5D": system(config, "static-sglang", prefill=4, fixed=True),
+            "dynamo": system(config, "dynamo", prefill=6)}
+
+
+def rate_factor(scale: Scale) -> float:
+    """Quick scale keeps the number of arrivals in proportion to its agent factor over its
+    shorter run."""
+    return scale.agents * (FULL.warmup + FULL.duration) / (scale.warmup + scale.duration)
+
+
+def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
+    end = scale.warmup + scale.duration
+    out = []
+    for rate in RATES:
+        per_s = rate * rate_factor(scale) / 60.0
+        arrivals = []
+        for a in poisson_arrivals({"cc": per_s}, seed):
+            if a.time >= end:
+                break
+            arrivals.append(a)
+        for name, cfg in systems(config).items():
+            key = f"{rate:g}-{name.replace(' ', '-')}"
+            spec = RunSpec(duration=scale.duration, warmup=scale.warmup, arrivals=arrivals,
+                           max_active=scale.count(CAP), label=key)
+            out.append(RunPlan(key=key, system=name, config=scale.configure(cfg),
+                               workloads=["cc"], seed=seed, spec=spec))
+    return out
+
+
+def sustained(o: RunOutcome) -> bool:
+    s, r = o.summary, o.runner
+    done = s.requests + s.errors
+    return (s.ttft.p50 <= TARGETS["p50_ttft"] and s.ttft.p95 <= TARGETS["p95_ttft"]
+            and s.e2e.p50 <= TARGETS["p50_e2e"]
+            and (r.admitted >= TARGETS["admitted"] * r.arrived if r.arrived else True)
+            and (s.errors < TARGETS["errors"] * done if done else True))
+
+
+def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: int):
+    names = ["evinfra", "static 4P5D", "dynamo"]
+    rows, best = [], {n: None for n in names}
+    for rate in RATES:
+        row: list = [rate]
+        for n in names:
+            o = runs.get(f"{rate:g}-{n.replace(' ', '-')}")
+            if o is None:
+                row += [None, None, None, "–"]
+                continue
+            ok = sustained(o)
+            if ok:
+                best[n] = rate
+            row += [o.summary.ttft.p50, o.summary.ttft.p95, o.summary.e2e.p50,
+                    "yes" if ok else "no"]
+        rows.append(row)
+    cols = ["rate (agents/min)"] + [f"{n} {m}" for n in names
+                                    for m in ("TTFT P50", "TTFT P95", "E2E P50", "meets")]
+    splits = [[o.key, o.control.final_split, o.control.switches, o.runner.arrived,
+               o.runner.admitted] for _, o in sorted(runs.items())]
+    tables = [
+        Table(title="Latency at each arrival rate (s)", columns=cols, rows=rows,
+              note="Targets: P50 TTFT <= 5 s, P95 TTFT <= 15 s, P50 E2E <= 10 s, >= 90 % of "
+                   "arriving agents admitted, < 0.5 % of requests failed."),
+        Table(title="Highest sustained rate (agents/min)",
+              columns=["system", "ours", "evinfra ×", "paper"],
+              rows=[[n, best[n], higher(best["evinfra"], best[n])
+                     if best["evinfra"] is not None and best[n] else None, ref]
+                    for n, ref in (("evinfra", 1.0), ("static 4P5D", 0.5), ("dynamo", None))]),
+        Table(title="Runs", columns=["run", "final split", "switches", "agents arrived",
+                                     "admitted"], rows=splits),
+    ]
+    notes = [f"Rates are the paper's; at {scale.name} scale the simulated arrival rate is "
+             f"{rate_factor(scale):.3g}x the listed one and the cap {scale.count(CAP)} agents."]
+    end = scale.warmup + scale.duration
+    plots = [(f"tableD2_split_{rate:g}.png", lambda p, rate=rate: steps(
+        p, f"prefill nodes at {rate:g} agents/min", {
+            n: [(t, int(s.split("P")[0])) for t, s in runs[k].control.split_timeline]
+            for n in names if (k := f"{rate:g}-{n.replace(' ', '-')}") in runs},
+        end, "prefill nodes", (0.0, scale.warmup))) for rate in RATES]
+    return ExperimentReport(name="tableD2", title=TITLE, scale=scale.describe(),
+                            config=config_path, seed=seed, tables=tables, notes=notes,
+                            runs=runs), plots

@@ -1,0 +1,157 @@
+"""The router's two hook points: which prefill node takes a request, which decode node and when
+(paper 5.3, E.3 lines 11 and 13).
+
+:class:`~evinfra.router.router.Router` keeps the books (``Q_n``, bindings, drains, the
+directory's branch steps) and asks a strategy only to *choose*:
+
+* a :class:`PrefillStrategy` gets a :class:`RouteView` of one request (its path, the
+  directory's prefix match, the eligible prefill nodes, the Eq. 7 prediction on any of them)
+  and returns the :class:`~evinfra.router.ttft.Prediction` of the node it picks, or
+  :class:`Hold` to park the request (ThunderAgent's paused programs). Evinfra's choice is
+  :class:`TTFTStrategy`, the argmin of Eq. 7; the baselines' are in ``evinfra.baselines``.
+  Its lifecycle hooks (``routed``, ``prefill_done``, ``finished``) let a strategy keep its own
+  books (approximate prefix trees, active blocks) from the requests it routed, as the
+  SGLang Model Gateway and the Dynamo router do;
+* a :class:`DecodeStrategy` picks among :class:`DecodeOption`\\ s, either when the prefill
+  starts (evinfra: KV room, fewest requests; paper D.1) or when the request is routed
+  (``at_submit``: SGLang PD's round-robin decode routing, whose decode node reserves the KV
+  while the request waits in the prefill queue).
+
+Strategies are synchronous and deterministic; time comes in through the view.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import msgspec
+
+from evinfra.core.hashing import HashedPath
+from evinfra.core.types import BranchId, NodeId, RequestId
+from evinfra.directory import PrefixMatch
+from evinfra.router.ttft import Prediction
+
+__all__ = ["DecodeOption", "DecodeStrategy", "FewestRequests", "Hold", "PrefillStrategy",
+           "RouteView", "TTFTStrategy"]
+
+
+class Hold(msgspec.Struct, frozen=True, gc=False):
+    """Park the request: a strategy releases it later (:meth:`PrefillStrategy.released`)."""
+
+    reason: str
+
+
+class RouteView(Protocol):
+    """One request as a prefill strategy sees it (built by the router for each route)."""
+
+    request: RequestId
+    branch: BranchId
+    path: HashedPath
+    t_in: int
+    need: int
+    """Decode KV room the request needs (input plus ``max_tokens``)."""
+    final: bool
+    """The branch ends with this request."""
+    nodes: Sequence[NodeId]
+    """The eligible prefill nodes: healthy, not draining, in the router's order."""
+    match: PrefixMatch
+    now: float
+
+    def predict(self, node: NodeId) -> Prediction:
+        """Eq. 7 on ``node`` with the router's queue, coefficients and data plane."""
+
+    def predict_full_input(self, node: NodeId) -> Prediction:
+        """Eq. 7 on ``node`` as if no token were cached (Arrow's prediction, paper A.1)."""
+
+    def own(self, node: NodeId) -> int:
+        """Leading blocks of the path ``node`` holds in any tier (the directory's view)."""
+
+    def own_l1(self, node: NodeId) -> int:
+        """Leading blocks of the path ``node`` holds in GPU memory."""
+
+    def last_chosen(self, node: NodeId) -> int:
+        """The router's route count when it last chose ``node`` (0: never)."""
+
+    def capacity(self, node: NodeId) -> int | None:
+        """GPU plus host KV capacity in tokens from the node's last report (None before)."""
+
+
+class PrefillStrategy(Protocol):
+    """Chooses the prefill node of each request; may keep books from the lifecycle hooks."""
+
+    def choose(self, view: RouteView) -> Prediction | Hold: ...
+
+    def routed(self, request: RequestId, node: NodeId, view: RouteView) -> None:
+        """``request`` was sent to ``node`` (also after a re-route)."""
+
+    def prefill_done(self, request: RequestId, node: NodeId) -> None:
+        """``node`` finished (or gave back) the prefill of ``request``."""
+
+    def finished(self, request: RequestId, now: float) -> None:
+        """``request`` is over, whatever the outcome."""
+
+    def released(self, now: float) -> list[RequestId]:
+        """Requests held earlier that may be routed now."""
+
+
+class TTFTStrategy:
+    """Evinfra's choice (E.3 line 11): ``n* = argmin T̂_n``, ties to the longest prefix in the
+    node's own memory, then to the node chosen least recently, so idle nodes share the work
+    (and every node sees the warm-up traffic its fit needs)."""
+
+    def choose(self, view: RouteView) -> Prediction:
+        best: tuple[float, int, int, str] | None = None
+        chosen: Prediction | None = None
+        for node in view.nodes:
+            p = view.predict(node)
+            key = (round(p.t_hat, 9), -p.own, view.last_chosen(node), node)
+            if best is None or key < best:
+                best, chosen = key, p
+        assert chosen is not None  # the router never asks without nodes
+        return chosen
+
+    def routed(self, request: RequestId, node: NodeId, view: RouteView) -> None:
+        pass
+
+    def prefill_done(self, request: RequestId, node: NodeId) -> None:
+        pass
+
+    def finished(self, request: RequestId, now: float) -> None:
+        pass
+
+    def released(self, now: float) -> list[RequestId]:
+        return []
+
+
+class DecodeOption(msgspec.Struct, frozen=True, gc=False):
+    """A decode node the request may be bound to."""
+
+    node: NodeId
+    room: int | None
+    """KV room from the node's last report minus what bound requests will take; None
+    without a fresh report."""
+    requests: int
+    """Requests bound to the node and not finished."""
+
+
+class DecodeStrategy(Protocol):
+    at_submit: bool
+    """Bind when the request is routed (and reserve there while it queues for prefill)
+    rather than when its prefill starts."""
+
+    def choose(self, need: int, options: Sequence[DecodeOption]) -> NodeId: ...
+
+
+class FewestRequests:
+    """E.3 line 13: the decode node with KV room for the request and the fewest requests,
+    bound when the prefill starts, so queued requests hold no decode memory (paper D.1).
+    A node without a fresh report may have room: it is ranked after those that report
+    room. When none has room, the node with the most room takes it (overcommitted)."""
+
+    at_submit = False
+
+    def choose(self, need: int, options: Sequence[DecodeOption]) -> NodeId:
+        fits = [o for o in options if o.room is None or o.room >= need]
+        if fits:
+            return min(fits, key=lambda o: (o.room is None, o.requests, o.node)).node
+        return max(options, key=lambda o: (o.room, -o.requests, o.node)).node

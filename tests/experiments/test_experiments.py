@@ -1,0 +1,70 @@
+"""The experiments end to end at a micro scale, their ratios, determinism, and the command."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from evinfra.cli import main
+from evinfra.config import load_config
+from evinfra.experiments import EXPERIMENTS
+from evinfra.experiments.report import higher, lower, write
+from evinfra.experiments.runs import run_plans
+from evinfra.experiments.scale import QUICK
+
+MICRO = msgspec.structs.replace(QUICK, name="micro", warmup=120.0, duration=120.0,
+                                agents=1 / 48, t_learn=120.0, t_win=60.0, m=4, hold_off=10.0)
+
+
+def test_ratios_read_above_one_as_evinfra_better() -> None:
+    assert higher(2.0, 1.0) == 2.0 and lower(1.0, 4.0) == 4.0
+    assert lower(0.0, 1.0) is None and higher(1.0, 0.0) is None
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_every_experiment_plans_its_paper_systems(name) -> None:
+    config = load_config("etc/cluster.toml")
+    plans = EXPERIMENTS[name].plans(config, QUICK, 1)
+    keys = [p.key for p in plans]
+    assert len(set(keys)) == len(keys)
+    policies = {p.config.policy.name for p in plans}
+    assert "evinfra" in policies or "evinfra-fixed" in policies
+    assert policies - {"evinfra", "evinfra-fixed"}  # at least one baseline beside it
+
+
+def test_fig6_micro_writes_tables_with_ratios_and_a_plot(tmp_path) -> None:
+    config = load_config("etc/cluster.toml")
+    runs = run_plans(EXPERIMENTS["fig6"].plans(config, MICRO, 1), jobs=2)
+    report, plots = EXPERIMENTS["fig6"].report(runs, MICRO, "etc/cluster.toml", 1)
+    files = write(tmp_path, report, plots)
+    assert all(f.stat().st_size > 0 for f in files)
+    data = json.loads((tmp_path / "results.json").read_text())
+    ratios = next(t for t in data["tables"] if t["title"].startswith("evinfra against"))
+    assert len(ratios["rows"]) == 9 and all(len(r) == 6 for r in ratios["rows"])
+    md = (tmp_path / "results.md").read_text()
+    assert "throughput ×" in md and "micro scale" in md and "1.10–2.73×" in md
+
+
+def test_outcomes_do_not_depend_on_parallelism(tmp_path) -> None:
+    config = load_config("etc/cluster.toml")
+    plans = EXPERIMENTS["fig3"].plans(config, MICRO, 3)
+    a = run_plans(plans, jobs=1)
+    b = run_plans(plans, jobs=2)
+    strip = lambda runs: {k: msgspec.structs.replace(v, wall_s=0.0) for k, v in runs.items()}
+    assert msgspec.json.encode(strip(a), order="sorted") == \
+        msgspec.json.encode(strip(b), order="sorted")
+
+
+def test_the_command_saves_each_run_and_resumes(tmp_path, capsys) -> None:
+    out = tmp_path / "d4"
+    args = ["experiment", "tableD4", "--quick", "--out", str(out), "--jobs", "1"]
+    assert main(args + ["--only", "thunder*"]) == 0
+    first = capsys.readouterr().out
+    assert "1 to play" in first and "not played" in first
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    assert "1 done earlier, 2 to play" in second and "not played" not in second
+    assert (out / "runs" / "thunderagent.json").exists()
+    assert {"results.json", "results.md", "tableD4.png"} <= {f.name for f in out.iterdir()}

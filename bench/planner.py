@@ -7,7 +7,8 @@ Prints, for N = 9, 64 and 768 nodes and m = 10 slices, the time of one full deci
 2σ/√m test, the Decision object) and of the same algorithm written as loops over candidates,
 slices and nodes with the NodeModel methods, the speed-up as a ratio, and whether both chose
 the same split. Nodes are heterogeneous (coefficients ±10 % around the GB300/GLM-5.2 shape),
-so every node's μ_D is evaluated at every candidate's B = q̄/|D|: O(N·m) per candidate.
+so every node's μ_D is evaluated at every candidate's B = q̄/|D|: O(N·m) per candidate
+where an AM-HM bound does not show the prefill side to be the smaller.
 Goal (issue 3): < 10 ms at 768 nodes.
 """
 

@@ -52,8 +52,9 @@ def random_slices(rng: np.random.Generator, m: int = 10) -> list[SliceWork]:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_theta_and_gains_match_the_per_node_reference(seed):
-    """Heterogeneous nodes (±30 %): the vectorized Θ of every candidate equals Eq. 5 summed
-    node by node, and each candidate changes exactly |p − |P|| nodes."""
+    """Heterogeneous nodes (±30 %): the vectorized Θ of every candidate (the decode side
+    bounded or summed) equals Eq. 5 summed node by node, and each candidate changes exactly
+    |p − |P|| nodes."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 12))
     models = [heterogeneous(f"n{i}", rng, 0.3) for i in range(n)]
@@ -64,14 +65,17 @@ def test_theta_and_gains_match_the_per_node_reference(seed):
     slices = random_slices(rng)
     d = plan(models, split, slices, at=0.0)
     current = [theta(models, set(split.prefill), s) for s in slices]
-    np.testing.assert_allclose(d.theta, current, rtol=1e-10)
+    # The decode sums run in float32 (planner._inverse_iter_sums): ~1e-7 relative.
+    np.testing.assert_allclose(d.theta, current, rtol=1e-6)
+    tol = 1e-6 * max(current)
     assert set(d.order[:len(split.prefill)]) == set(split.prefill)
     for c in d.candidates:
         prefill = set(d.order[:c.prefill])
         assert len(prefill ^ set(split.prefill)) == c.moved == abs(c.prefill - len(split.prefill))
         want = [theta(models, prefill, s) - t for s, t in zip(slices, current)]
-        np.testing.assert_allclose(c.gains, want, rtol=1e-9, atol=1e-12)
-        assert c.threshold == pytest.approx(2 * np.std(want, ddof=1) / np.sqrt(len(slices)))
+        np.testing.assert_allclose(c.gains, want, rtol=1e-6, atol=tol)
+        assert c.threshold == pytest.approx(2 * np.std(want, ddof=1) / np.sqrt(len(slices)),
+                                            rel=1e-4, abs=tol)
         assert c.qualified == (c.mean > c.threshold)
 
 

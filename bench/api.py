@@ -29,6 +29,7 @@ from evinfra.api.tokenizer import ByteTokenizer
 from evinfra.config import parse_config
 from evinfra.core.clock import WallClock
 from evinfra.drivers.base import Sampling
+from evinfra.logs import configure_logging
 from evinfra.service import Service, Submission
 
 CLIENTS = 64
@@ -139,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     quick = ap.parse_args().quick
+    configure_logging("console", "warning")  # the in-process service logs as serve would
     serial, per_client = (40, 3) if quick else (300, 20)
     d_lat, _ = asyncio.run(in_process(1, serial))
     h_lat, _ = asyncio.run(over_http(1, serial))

@@ -47,7 +47,7 @@ class HintDelta(msgspec.Struct, frozen=True):
 
 
 class _Branch:
-    __slots__ = ("id", "version", "path", "k", "holes")
+    __slots__ = ("id", "version", "path", "k", "holes", "_index", "_indexed")
 
     def __init__(self, branch: BranchId) -> None:
         self.id = branch
@@ -56,10 +56,22 @@ class _Branch:
         # C[β, n] = path.hashes[:k[n]] minus holes[n] (block -> its index in the path).
         self.k: dict[int, int] = {}
         self.holes: dict[int, dict[BlockHash, int]] = {}
+        self._index: dict[BlockHash, int] = {}
+        self._indexed: HashedPath | None = None
 
     @property
     def hashes(self) -> list[BlockHash]:
         return self.path.hashes if self.path is not None else []
+
+    def position(self, h: BlockHash) -> int | None:
+        """Index of the first ``h`` in the path. The index is built for the current path on
+        first use (evictions are what ask), so a scan of the path is paid once per path,
+        not once per evicted block."""
+        if self._indexed is not self.path:
+            hashes = self.hashes
+            self._index = dict(zip(reversed(hashes), range(len(hashes) - 1, -1, -1)))
+            self._indexed = self.path
+        return self._index.get(h)
 
 
 class BranchTable:
@@ -227,10 +239,8 @@ class BranchTable:
             for branch in self._on[node]:
                 b = self._branches[branch]
                 k = b.k[node]
-                hashes = b.hashes
-                try:
-                    i = hashes.index(h, 0, k)
-                except ValueError:
+                i = b.position(h)
+                if i is None or i >= k:
                     continue
                 holes = b.holes.setdefault(node, {})
                 if h in holes:

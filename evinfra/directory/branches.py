@@ -56,22 +56,35 @@ class _Branch:
         # C[β, n] = path.hashes[:k[n]] minus holes[n] (block -> its index in the path).
         self.k: dict[int, int] = {}
         self.holes: dict[int, dict[BlockHash, int]] = {}
+        # block -> its first index, for the leading ``_indexed`` blocks of the path.
         self._index: dict[BlockHash, int] = {}
-        self._indexed: HashedPath | None = None
+        self._indexed = 0
 
     @property
     def hashes(self) -> list[BlockHash]:
         return self.path.hashes if self.path is not None else []
 
     def position(self, h: BlockHash) -> int | None:
-        """Index of the first ``h`` in the path. The index is built for the current path on
-        first use (evictions are what ask), so a scan of the path is paid once per path,
-        not once per evicted block."""
-        if self._indexed is not self.path:
-            hashes = self.hashes
-            self._index = dict(zip(reversed(hashes), range(len(hashes) - 1, -1, -1)))
-            self._indexed = self.path
+        """Index of the first ``h`` in the path. Evictions ask; the index grows with the
+        path (a request appends a few pages), so no one scans a path per evicted block."""
+        hashes, n = self.hashes, self._indexed
+        if n < len(hashes):
+            index = self._index
+            for i in range(n, len(hashes)):
+                if hashes[i] not in index:
+                    index[hashes[i]] = i
+            self._indexed = len(hashes)
         return self._index.get(h)
+
+    def cut(self, keep: int) -> None:
+        """The path is rewritten after its first ``keep`` blocks: drop the rest from the
+        index (called while ``path`` is still the old one)."""
+        if self._indexed > keep:
+            index = self._index
+            for h in self.hashes[keep:self._indexed]:
+                if index.get(h, -1) >= keep:
+                    del index[h]
+            self._indexed = keep
 
 
 class BranchTable:
@@ -168,6 +181,7 @@ class BranchTable:
             keep = path.shared
             for n in list(b.k):
                 self._trim(b, n, keep)
+            b.cut(keep)
         b.path = path
         return BranchStep(branch, b.version, rewritten, path, old_len)
 

@@ -243,32 +243,54 @@ class BranchTable:
 
     def evicted(self, node: int, blocks: Iterable[BlockHash]) -> None:
         """E.2 line 20: the node lost these blocks; zero their counts and remove them from
-        every ``C[β, n]``. Only positive-count blocks cost anything beyond a dict lookup."""
+        every ``C[β, n]``. Only positive-count blocks cost anything beyond a dict lookup.
+
+        A batch is mostly runs of blocks of the same branches (a leaf segment goes at once),
+        so the holders of the previous block are asked first and the node's other branches
+        only while the block's count is not accounted for."""
         R = self._R[node]
         emptied: list[_Branch] = []
+        recent: list[_Branch] = []
         for h in blocks:
             r = R.get(h)
             if not r:
                 continue
-            for branch in self._on[node]:
-                b = self._branches[branch]
-                k = b.k[node]
-                i = b.position(h)
-                if i is None or i >= k:
-                    continue
-                holes = b.holes.setdefault(node, {})
-                if h in holes:
-                    continue
-                holes[h] = i
-                if len(holes) == k:  # C[β, n] is empty: n leaves N_β
-                    emptied.append(b)
-                r -= 1
-                if r == 0:
-                    break
+            holders: list[_Branch] = []
+            for b in recent:
+                if self._hole(b, node, h, emptied):
+                    holders.append(b)
+                    if len(holders) == r:
+                        break
+            if len(holders) < r:
+                asked = {b.id for b in recent}
+                for branch in self._on[node]:
+                    if branch in asked:
+                        continue
+                    b = self._branches[branch]
+                    if self._hole(b, node, h, emptied):
+                        holders.append(b)
+                        if len(holders) == r:
+                            break
+            recent = holders
             self._set_zero(R, node, h)
         for b in emptied:
             del b.k[node], b.holes[node]
             self._on[node].discard(b.id)
+
+    @staticmethod
+    def _hole(b: _Branch, node: int, h: BlockHash, emptied: list[_Branch]) -> bool:
+        """Take ``h`` out of ``C[β, n]`` if it is there; note β if that empties it."""
+        k = b.k[node]
+        i = b.position(h)
+        if i is None or i >= k:
+            return False
+        holes = b.holes.setdefault(node, {})
+        if h in holes:
+            return False
+        holes[h] = i
+        if len(holes) == k:  # C[β, n] is empty: n leaves N_β
+            emptied.append(b)
+        return True
 
     # -- hints ------------------------------------------------------------------------------
 

@@ -68,3 +68,20 @@ def test_the_command_saves_each_run_and_resumes(tmp_path, capsys) -> None:
     assert "1 done earlier, 2 to play" in second and "not played" not in second
     assert (out / "runs" / "thunderagent.json").exists()
     assert {"results.json", "results.md", "tableD4.png"} <= {f.name for f in out.iterdir()}
+
+
+def test_fig7_micro_compares_with_dynamo_and_the_best_static_split(tmp_path) -> None:
+    config = load_config("etc/cluster.toml")
+    plans = EXPERIMENTS["fig7"].plans(config, MICRO, 1)
+    assert {p.system for p in plans} == {"evinfra", "dynamo", "static 2P7D", "static 4P5D",
+                                         "static 6P3D"}
+    runs = run_plans(plans, jobs=2)
+    report, plots = EXPERIMENTS["fig7"].report(runs, MICRO, "etc/cluster.toml", 1)
+    write(tmp_path, report, plots)
+    data = json.loads((tmp_path / "results.json").read_text())
+    ratios = next(t for t in data["tables"] if t["title"].startswith("evinfra against"))
+    assert [r[0] for r in ratios["rows"]][0] == "dynamo"
+    assert ratios["rows"][1][0].startswith("best static (static ")
+    assert all(isinstance(x, float) for r in ratios["rows"] for x in r[1:3])
+    periods = next(t for t in data["tables"] if t["title"].startswith("Throughput per period"))
+    assert [r[0] for r in periods["rows"]] == ["putnam", "mixed", "osworld"]

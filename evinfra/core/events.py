@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Sequence, Union
 
 import msgspec
+import numpy as np
 
 from evinfra.errors import KVEventDecodeError
 
@@ -45,7 +46,9 @@ class BlockStored(_KVCacheEvent):
 
     block_hashes: list[Int64]
     parent_block_hash: Int64 | None
-    token_ids: list[TokenId]
+    token_ids: Sequence[TokenId]
+    """A list when decoded from the wire; the fake engines pass a numpy view of the
+    request's tokens (no copy: nothing in the control plane reads them)."""
     block_size: Annotated[int, msgspec.Meta(gt=0)]
     lora_id: int | None = None
     medium: str | None = None
@@ -122,7 +125,14 @@ class KVEventDecoder:
         return topic, seq, self.decode(payload)
 
 
-_encoder = msgspec.msgpack.Encoder()
+def _array_to_list(obj: object) -> object:
+    # Fake engines put numpy views of token ids in their events (``BlockStored``).
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_array_to_list)
 
 
 def encode_payload(batch: KVEventBatch) -> bytes:

@@ -236,15 +236,12 @@ class NodeCache:
                 parent = self._new(parent, list(path[k:stop2]), k, True, now)
             if stop1 > max(k, stop2):
                 self._new(parent, list(path[max(k, stop2):stop1]), max(k, stop2), False, now)
-        # Token ids are most of an event's cost: convert the union of both ranges once, and
-        # let the two events share it when their ranges agree (events are immutable).
-        lo, hi = min(l1p, l2p), max(stop1, stop2)
-        ids = tokens[lo * page:hi * page].tolist() if hi > lo else []
+        # Token ids travel as views of the request's array: converting them to lists was
+        # the largest single cost of a simulation.
         for a, b, medium in ((l1p, stop1, _GPU), (l2p, stop2, _CPU)):
             if b > a:
-                part = ids if (a, b) == (lo, hi) else ids[(a - lo) * page:(b - lo) * page]
-                self._emit(BlockStored(list(path[a:b]), path[a - 1] if a else None, part, page,
-                                       medium=medium))
+                self._emit(BlockStored(list(path[a:b]), path[a - 1] if a else None,
+                                       tokens[a * page:b * page], page, medium=medium))
         self.unlock(path, k, now)
         return InsertResult(stop1, max(0, min(k, stop1) - l1p), max(0, stop1 - k))
 

@@ -1,6 +1,7 @@
 """NodeCache: write-through, L1 -> L2 eviction, host eviction order, pins, and a stateful
 machine whose reference is the cache's own KV events replayed into two sets."""
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import Phase, settings
@@ -22,7 +23,13 @@ def toks(path: list[int]) -> np.ndarray:
 
 def cache(l1: int, l2: int, count_aware: bool = True) -> tuple[NodeCache, list]:
     events: list = []
-    return NodeCache(P, l1 * P, l2 * P, count_aware, events.append), events
+
+    def record(ev) -> None:  # token ids come as numpy views; compare them as lists
+        if type(ev) is BlockStored:
+            ev = msgspec.structs.replace(ev, token_ids=list(ev.token_ids))
+        events.append(ev)
+
+    return NodeCache(P, l1 * P, l2 * P, count_aware, record), events
 
 
 def test_insert_writes_through_with_sglang_fields() -> None:

@@ -292,7 +292,10 @@ class NodeCache:
         out: list[BlockHash] = []
         for seg in sorted(mine, key=lambda s: (s.access, -s.depth)):
             chosen = mine[seg]
-            out.extend(h for h in reversed(seg.hashes) if h in chosen)
+            if len(chosen) == len(seg.hashes):  # the usual case: a whole segment crossed
+                out.extend(reversed(seg.hashes))
+            else:
+                out.extend(h for h in reversed(seg.hashes) if h in chosen)
         return out + rest
 
     # -- eviction ---------------------------------------------------------------------------

@@ -185,29 +185,22 @@ def _inverse_iter_sums(nodes: _Arrays, B: np.ndarray, f: np.ndarray,  # noqa: N8
     (others: 0); ``f`` is φ(B).
 
     Computed ``chunk`` candidates at a time for all slices, so the working set (m × chunk × N)
-    stays in cache; within a chunk, the nodes a candidate does not decode on are set to
-    ``T = inf`` so they add 0. Terms in float32 (half the memory traffic; relative error
-    ~1e-7, far below what the 2σ/√m test resolves), sums accumulated in float64.
+    stays in cache: ``T = [1, φ, B] @ [d0; d1; d2]`` is one matrix product per chunk, and
+    within a chunk the nodes a candidate does not decode on are set to ``T = inf`` so they add
+    0. Terms in float32 (half the memory traffic; relative error ~1e-7, far below what the
+    2σ/√m test resolves), sums accumulated in float64.
     """
     m, c = B.shape
-    d0, d1, d2 = (x.astype(np.float32) for x in (nodes.d0, nodes.d1, nodes.d2))
-    f32, b32 = f.astype(np.float32), B.astype(np.float32)
+    d = np.stack([nodes.d0, nodes.d1, nodes.d2]).astype(np.float32)
+    x = np.stack([np.ones_like(B), f, B], axis=-1).astype(np.float32)
     out = np.zeros((m, c))
     not_decoding = np.tril(np.full((chunk, chunk), np.inf, np.float32), -1)
-    size = m * chunk * (c + 1)
-    buf, tmp = np.empty(size, np.float32), np.empty(size, np.float32)
     for j0 in range(0, c, chunk):
         j1 = min(j0 + chunk, c)
         if not wanted[j0:j1].any():
             continue
         r, p0 = j1 - j0, j0 + 1
-        shape = (m, r, c + 1 - p0)
-        t = buf[:math.prod(shape)].reshape(shape)
-        u = tmp[:math.prod(shape)].reshape(shape)
-        np.multiply(f32[:, j0:j1, None], d1[p0:], out=t)
-        t += d0[p0:]
-        np.multiply(b32[:, j0:j1, None], d2[p0:], out=u)
-        t += u
+        t = np.matmul(x[:, j0:j1], d[:, p0:])
         t[:, :, :r] += not_decoding[:r, :r]
         np.reciprocal(t, out=t)
         t.sum(axis=-1, dtype=np.float64, out=out[:, j0:j1])

@@ -179,7 +179,7 @@ class DecodeSide:
             run.planned = run.done + min(left(d.iters, len(d.out)) for d in run.batch)
         else:
             run.planned = run.done + 1
-        self._busy, self._was_busy = "decode", True
+        self._busy, self._was_busy, self._prefilled = "decode", True, False
         self._batch_changed = self._dirty = False
         self._timer = self._at(run.start + run.planned * run.d, self._end_decode)
         self._state(now)

@@ -5,7 +5,8 @@ The loop, run whenever no iteration is in flight:
 1. a pending phase switch waits for the started work of the phase the node leaves (a chunked
    prefill, or the decode batch), then takes ``switch_latency`` and publishes
    ``PhaseSwitched``; meanwhile nothing of the old phase starts and the new phase's work goes
-   on (a collocated node leaving its warm-up keeps serving the phase it keeps);
+   on (a collocated node leaving its warm-up keeps serving the phase it keeps), a node
+   leaving decode alternating prefill and decode iterations so its batch drains;
 2. a prefill iteration packs up to ``chunk_tokens`` of ready requests, FCFS — the chunked
    request first, then queued requests whose peer fetch has landed (one still fetching is
    skipped, not waited for), stopping at the first that finds no GPU room;
@@ -90,6 +91,7 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._busy: str | None = None  # what is in flight: "prefill", "decode", "switch"
         self._timer: Timer | None = None
         self._was_busy = False
+        self._prefilled = False  # the last iteration was a prefill
         self._dirty = False  # something a batched decode run must stop for
         self._batch_changed = True
         self._last_state = float("-inf")
@@ -299,7 +301,10 @@ class FakeEngine(PrefillSide, DecodeSide):
             self._busy, self._run = "switch", None
             self._timer = self._at(now + self.config.switch_latency, self._switch_done)
             return
-        chunks = self._pack(now)
+        # Leaving decode, the node alternates: its batch gets an iteration after each prefill
+        # iteration, so it drains even under a prefill queue that never empties.
+        drain = target is Phase.PREFILL and self._running and self._prefilled
+        chunks = [] if drain else self._pack(now)
         if chunks:
             self._launch_prefill(chunks, now)
             return

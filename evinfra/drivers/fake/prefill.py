@@ -160,6 +160,7 @@ class PrefillSide:
             duration += rec.load_s
             rec.load_s = 0.0
         self._inflight, self._busy, self._was_busy, self._run = chunks, "prefill", True, None
+        self._prefilled = True
         self._timer = self._at(now + duration, self._end_prefill, now, duration)
         self._state(now, items)
         for rec, item in chunks:

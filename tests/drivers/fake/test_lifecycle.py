@@ -47,6 +47,19 @@ def test_a_switch_to_prefill_waits_for_the_decode_batch_and_keeps_prefilling() -
     assert h.of(TokensOut, request="b")[0].time >= switched
 
 
+def test_a_switch_to_prefill_drains_the_batch_under_an_endless_prefill_queue() -> None:
+    h = Harness(nodes=[("c0", Phase.COLLOCATED)])
+    h.submit("a", tokens(3_000), prefill="c0", decode="c0", max_tokens=60)
+    h.run(0.2)
+    h.engines["c0"].switch_phase(Phase.PREFILL)
+    for i in range(40):  # prefill work for far longer than the batch needs to finish
+        h.submit(f"q{i}", tokens(8_000, seed=i + 1), prefill="c0", decode="c0", max_tokens=1)
+    h.run(120)
+    switched = h.one(PhaseSwitched).time
+    last_start = max(e.time for e in h.of(PrefillStarted) if e.request.startswith("q"))
+    assert h.output("a")[2] < switched < last_start
+
+
 def test_a_switch_to_decode_waits_only_for_the_chunked_prefill() -> None:
     h = Harness(nodes=[("c0", Phase.COLLOCATED)])
     h.submit("a", tokens(3_000), prefill="c0", decode="c0", max_tokens=400)

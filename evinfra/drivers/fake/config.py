@@ -36,9 +36,10 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # but no absolute prefill speed. c1 and c2 are calibrated so that sweeping every static
     # split of nine nodes with our generators puts the best split where the paper's Fig. 2a
     # and D.1 do: <= 3 prefill nodes for putnam (224 agents), in between for cc (90), >= 6 for
-    # osworld (128). Measured (600 s scored, `evinfra.sim.sweep`): putnam best 2P7D, cc 3P6D,
-    # osworld >= 6P3D; the first guess (c1 = 2e-5, c2 = 1e-10) put cc at 1P8D. An 8K chunk
-    # after a 128K prefix then takes ~1.7 s, 8K uncached tokens alone ~1 s.
+    # osworld (128). Measured (fixed splits, 600 s scored): putnam 1P8D 3.04 req/s > 2P7D
+    # 2.85; cc 3P6D 4.85 > 2P7D 4.82, 4P5D 4.72; osworld 7P2D 19.5 > 6P3D 17.2 > 5P4D 14.3.
+    # The first guess (c1 = 2e-5, c2 = 1e-10) put cc at 1P8D. An 8K chunk after a 128K prefix
+    # then takes ~1.7 s, 8K uncached tokens alone ~1 s.
     c0: NonNegFloat = 0.02
     """Fixed cost of a prefill iteration (kernel launches)."""
     c1: NonNegFloat = 1.2e-4

@@ -175,7 +175,8 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     decode = np.full_like(prefill, np.inf)
     if exact.any():
         with np.errstate(divide="ignore", invalid="ignore"):
-            decode[:, exact] = scale[:, exact] * _inverse_iter_sums(nodes, B, f, exact)[:, exact]
+            sums = _inverse_iter_sums(nodes, B, f, exact)
+            decode[:, exact] = np.where(scale > 0, scale * sums, 0.0)[:, exact]
     return np.minimum(prefill, decode)
 
 

@@ -38,7 +38,7 @@ from evinfra.core.types import NodeId, PosFloat, RequestId
 from evinfra.planner.itermodel import FitReport, NodeModel
 from evinfra.planner.planner import Decision, Planner, PlannerConfig, Split
 from evinfra.router.router import NodeLoad
-from evinfra.router.strategy import RouteView
+from evinfra.router.strategy import RouteView, Stateless
 from evinfra.router.ttft import Prediction
 
 __all__ = ["ArrowConfig", "FullInputRouter", "SLOPlanner"]
@@ -55,25 +55,13 @@ class ArrowConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """Recent requests: those finished in the last ``window_s`` seconds."""
 
 
-class FullInputRouter:
+class FullInputRouter(Stateless):
     """Arrow's prefill scheduling: least TTFT predicted from the full input length."""
 
     def choose(self, view: RouteView) -> Prediction:
         best = min(view.nodes, key=lambda n: (round(view.predict_full_input(n).t_hat, 9),
                                               view.last_chosen(n), n))
         return view.predict_full_input(best)
-
-    def routed(self, request: RequestId, node: NodeId, view: RouteView) -> None:
-        pass
-
-    def prefill_done(self, request: RequestId, node: NodeId) -> None:
-        pass
-
-    def finished(self, request: RequestId, now: float) -> None:
-        pass
-
-    def released(self, now: float) -> list[RequestId]:
-        return []
 
 
 class SLOPlanner:

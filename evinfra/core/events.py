@@ -129,7 +129,7 @@ def _array_to_list(obj: object) -> object:
     # Fake engines put numpy views of token ids in their events (``BlockStored``).
     if isinstance(obj, np.ndarray):
         return obj.tolist()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=_array_to_list)

@@ -32,7 +32,7 @@ from evinfra.directory import PrefixMatch
 from evinfra.router.ttft import Prediction
 
 __all__ = ["DecodeOption", "DecodeStrategy", "FewestRequests", "Hold", "PrefillStrategy",
-           "RouteView", "TTFTStrategy"]
+           "RouteView", "Stateless", "TTFTStrategy"]
 
 
 class Hold(msgspec.Struct, frozen=True, gc=False):
@@ -94,7 +94,23 @@ class PrefillStrategy(Protocol):
         """Requests held earlier that may be routed now."""
 
 
-class TTFTStrategy:
+class Stateless:
+    """The lifecycle hooks of a prefill strategy that keeps no per-request state."""
+
+    def routed(self, request: RequestId, node: NodeId, view: RouteView) -> None:
+        pass
+
+    def prefill_done(self, request: RequestId, node: NodeId) -> None:
+        pass
+
+    def finished(self, request: RequestId, now: float) -> None:
+        pass
+
+    def released(self, now: float) -> list[RequestId]:
+        return []
+
+
+class TTFTStrategy(Stateless):
     """Evinfra's choice (E.3 line 11): ``n* = argmin T̂_n``, ties to the longest prefix in the
     node's own memory, then to the node chosen least recently, so idle nodes share the work
     (and every node sees the warm-up traffic its fit needs)."""
@@ -109,18 +125,6 @@ class TTFTStrategy:
                 best, chosen = key, p
         assert chosen is not None  # the router never asks without nodes
         return chosen
-
-    def routed(self, request: RequestId, node: NodeId, view: RouteView) -> None:
-        pass
-
-    def prefill_done(self, request: RequestId, node: NodeId) -> None:
-        pass
-
-    def finished(self, request: RequestId, now: float) -> None:
-        pass
-
-    def released(self, now: float) -> list[RequestId]:
-        return []
 
 
 class DecodeOption(msgspec.Struct, frozen=True, gc=False):

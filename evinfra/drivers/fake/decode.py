@@ -73,9 +73,7 @@ class DecodeSide:
             d = self._prealloc[0]
             need, ok = self._reserve(d, now)
             if need > self.cache.l1_capacity:
-                self._forget(d.request, True)
-                self._out.append(RequestFailed(d.request, self.node, now,
-                                               "request exceeds the node's KV capacity", True))
+                self._too_big(d, now)
                 continue
             if not ok:
                 break
@@ -89,13 +87,16 @@ class DecodeSide:
             else:
                 need, ok = self._start_transfer(d, now)
             if need > self.cache.l1_capacity:
-                self._forget(d.request, True)
-                self._out.append(RequestFailed(d.request, self.node, now,
-                                               "request exceeds the node's KV capacity", True))
+                self._too_big(d, now)
                 continue
             if not ok:
                 return
             self._room_wait.pop(0)
+
+    def _too_big(self, d: DecodeRecord, now: float) -> None:
+        self._forget(d.request, True)
+        self._out.append(RequestFailed(d.request, self.node, now,
+                                       "request exceeds the node's KV capacity", True))
 
     def _take_over(self, d: DecodeRecord, now: float) -> bool:
         """Same node: the prefill record's pins and partial page pass to the decode record."""

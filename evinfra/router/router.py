@@ -192,6 +192,11 @@ class _View:
                                                          self.match, self.now)
         return p
 
+    def t_hats(self) -> list[tuple[float, int]]:
+        router = self._router
+        return router._t_hats(self._r, [router._nodes[n] for n in self.nodes], self.match,
+                              self.now)
+
     def predict_full_input(self, node: NodeId) -> Prediction:
         p = self._full.get(node)
         if p is None:
@@ -239,6 +244,7 @@ class Router:
         self._prior = (p.c0, p.c1, p.c2, p.c3)
         self._coef: dict[NodeId, tuple[float, float, float, float]] = {}
         self._routed = 0
+        self._eligible: list[_Node] | None = None
 
     # -- models and node state ------------------------------------------------------------
 
@@ -277,9 +283,13 @@ class Router:
     # -- E.3 lines 3-12: route a prefill ---------------------------------------------------
 
     def _prefill_nodes(self) -> list[_Node]:
-        return [n for n in self._nodes.values()
-                if n.healthy and n.draining is None
-                and n.phase in (Phase.PREFILL, Phase.COLLOCATED)]
+        """Healthy prefill-capable nodes outside a switch (kept until a node's health, phase
+        or drain changes: every route asks)."""
+        if self._eligible is None:
+            self._eligible = [n for n in self._nodes.values()
+                              if n.healthy and n.draining is None
+                              and n.phase in (Phase.PREFILL, Phase.COLLOCATED)]
+        return self._eligible
 
     def route(self, req: RouteRequest, now: float) -> Route | Refusal | Held:
         """Let the prefill strategy choose ``n*`` (evinfra: ``argmin T̂_n``, ties to the
@@ -297,7 +307,7 @@ class Router:
                         reason="no healthy prefill node")
             return Refusal(req.request, "prefill", "no healthy prefill node outside a switch")
         self._reqs[r.id] = r
-        match = self.directory.match(r.path.hashes)
+        match = self.directory.match(r.path)
         view = _View(self, r, nodes, match, now)
         best = self.prefill.choose(view)
         if isinstance(best, Hold):
@@ -325,9 +335,11 @@ class Router:
         """Held requests the prefill strategy lets go now (route them again)."""
         return self.prefill.released(now)
 
-    def _predict(self, r: _Req, n: _Node, match: PrefixMatch, now: float) -> Prediction:
-        """E.3 lines 6-9 on ``n``: the cached prefix ``t_c`` reaches as far as some node holds
-        it when the pool serves it (``x`` of it fetched), else only ``n``'s own prefix."""
+    def _estimate(self, r: _Req, n: _Node, match: PrefixMatch, now: float
+                  ) -> tuple[float, int, float, int, int, int, int]:
+        """E.3 lines 6-9 on ``n``: ``(T̂_n, own, Ŵ_n, t_uc, t_c, t_rst, x)``. The cached prefix
+        ``t_c`` reaches as far as some node holds it when the pool serves it (``x`` of it
+        fetched), else only ``n``'s own prefix (``own`` tokens)."""
         page = self.directory.page_size
         cap = r.t_in - 1  # at least one input token is computed
         cfg = self.config.ttft
@@ -338,8 +350,52 @@ class Router:
         else:
             t_c = own + x
         t_rst = own - min(match.own_l1[n.idx] * page, own) + x
-        return predict(n.name, n.queue, self.coefficients(n.name), self._t_rem(n, now),
-                       r.t_in - t_c, t_c, t_rst, x, own, cfg)
+        t_hat, w_hat = estimate(n.queue, self._coef.get(n.name, self._prior),
+                                self._t_rem(n, now), r.t_in - t_c, t_c, t_rst, x, cfg)
+        return t_hat, own, w_hat, r.t_in - t_c, t_c, t_rst, x
+
+    def _t_hats(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float
+                ) -> list[tuple[float, int]]:
+        """``(T̂_n, own)`` of :meth:`_estimate` for many nodes, in one loop: the same
+        operations in the same order (so the same floats), inlined because a route runs
+        them on every prefill node (``tests/router`` checks the two agree)."""
+        page = self.directory.page_size
+        t_in = r.t_in
+        cap = t_in - 1
+        cfg = self.config.ttft
+        B, fmin, kappa = cfg.chunk_tokens, cfg.fetch_min_tokens, cfg.kappa
+        fbase, fper, max_age = cfg.fetch_base_s, cfg.fetch_s_per_token, cfg.state_max_age_s
+        union = min(match.union * page, cap) if self.pool else 0
+        own_all, l1_all = match.own, match.own_l1
+        coef, prior = self._coef, self._prior
+        out = []
+        for n in nodes:
+            own = min(own_all[n.idx] * page, cap)
+            x = union - own if self.pool else 0
+            if x < fmin:
+                x, t_c = 0, own
+            else:
+                t_c = own + x
+            t_rst = own - min(l1_all[n.idx] * page, own) + x
+            t_uc = t_in - t_c
+            s = n.state
+            t_rem = 0.0 if s is None or now - s.time > max_age else max(0.0, n.t_rem_at - now)
+            c0, c1, c2, c3 = coef.get(n.name, prior)
+            q = n.queue
+            U = q.U
+            k = U // B
+            A_k, R_k = q.first(k * B)
+            w_hat = t_rem + c0 * k + c1 * k * B + c2 * A_k + c3 * R_k
+            A = t_uc * t_c + t_uc * (t_uc + 1) // 2
+            done = (t_rem + c0 * -(-(U + t_uc) // B) + c1 * (U + t_uc) + c2 * (q.SA + A)
+                    + c3 * (q.SR + t_rst))
+            fetch = fbase + fper * x if x >= fmin and x > 0 else 0.0
+            out.append((done + max(0.0, fetch - w_hat) + kappa * x, own))
+        return out
+
+    def _predict(self, r: _Req, n: _Node, match: PrefixMatch, now: float) -> Prediction:
+        t_hat, own, w_hat, t_uc, t_c, t_rst, x = self._estimate(r, n, match, now)
+        return Prediction(n.name, t_hat, w_hat, t_uc, t_c, t_rst, x, own)
 
     def _fetch_plan(self, r: _Req, n: _Node, p: Prediction, match: PrefixMatch
                     ) -> list[FetchRun]:
@@ -492,11 +548,13 @@ class Router:
         requests that were on it (the engine's ``RequestFailed`` events say what to do)."""
         n = self._nodes[node]
         n.healthy = False
+        self._eligible = None
         self.directory.node_lost(node)
         return sorted(set(n.queue.requests()) | n.decoding | n.running_prefill)
 
     def node_up(self, node: NodeId) -> None:
         self._nodes[node].healthy = True
+        self._eligible = None
 
     # -- phase switches (paper 4.2) --------------------------------------------------------
 
@@ -507,6 +565,7 @@ class Router:
         A node leaving the collocated warm-up serves both phases already, so it takes its
         new phase at once and nothing is withdrawn."""
         n = self._nodes[node]
+        self._eligible = None
         if n.phase is Phase.COLLOCATED:
             n.phase = phase
             return []
@@ -540,6 +599,7 @@ class Router:
         n = self._nodes[node]
         n.phase = phase
         n.draining = None
+        self._eligible = None
         self.directory.switch_phase(node, phase)
 
     # -- views ---------------------------------------------------------------------------

@@ -60,6 +60,10 @@ class RouteView(Protocol):
     def predict(self, node: NodeId) -> Prediction:
         """Eq. 7 on ``node`` with the router's queue, coefficients and data plane."""
 
+    def t_hats(self) -> list[tuple[float, int]]:
+        """``(T̂_n, own prefix tokens)`` of Eq. 7 for every node of ``nodes``, in order: what
+        :meth:`predict` says, without building a Prediction per node."""
+
     def predict_full_input(self, node: NodeId) -> Prediction:
         """Eq. 7 on ``node`` as if no token were cached (Arrow's prediction, paper A.1)."""
 
@@ -116,15 +120,13 @@ class TTFTStrategy(Stateless):
     (and every node sees the warm-up traffic its fit needs)."""
 
     def choose(self, view: RouteView) -> Prediction:
-        best: tuple[float, int, int, str] | None = None
-        chosen: Prediction | None = None
-        for node in view.nodes:
-            p = view.predict(node)
-            key = (round(p.t_hat, 9), -p.own, view.last_chosen(node), node)
-            if best is None or key < best:
-                best, chosen = key, p
-        assert chosen is not None  # the router never asks without nodes
-        return chosen
+        nodes = view.nodes
+        estimates = view.t_hats()
+        t_hats = [round(t, 9) for t, _ in estimates]
+        least = min(t_hats)
+        tied = [i for i, t in enumerate(t_hats) if t == least]
+        best = min(tied, key=lambda i: (-estimates[i][1], view.last_chosen(nodes[i]), nodes[i]))
+        return view.predict(nodes[best])
 
 
 class DecodeOption(msgspec.Struct, frozen=True, gc=False):

@@ -155,3 +155,38 @@ def test_a_failure_before_prefill_routes_again() -> None:
     again = r.failed("a", route.node, started=False, now=0.1)
     assert isinstance(again, Route) and again.node != route.node
     assert r.failed("a", again.node, started=True, now=0.2) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pool", [True, False])
+def test_the_all_node_loop_says_what_predict_says(seed: int, pool: bool) -> None:
+    """``t_hats`` (one inlined loop over the nodes, what every route runs) returns exactly the
+    floats of ``predict`` per node, over random queues, reports, models and prefixes."""
+    from evinfra.planner.itermodel import NodeModel
+    from evinfra.router.router import _Req, _View
+
+    g = np.random.default_rng(seed)
+    nodes = {f"P{i}": Phase.PREFILL for i in range(7)} | {"D1": Phase.DECODE}
+    r = Router(Directory(nodes, PAGE), RouterConfig(), pool=pool)
+    tokens = g.integers(0, 50_000, size=int(g.integers(100, 30_000)), dtype=np.uint32)
+    for i in g.choice(7, size=3, replace=False):
+        hold(r, f"P{i}", tokens[: int(g.integers(0, tokens.size + 1))])
+    r.set_models([NodeModel(node=f"P{i}", c0=g.random() * 0.03, c1=g.random() * 1e-4,
+                            c2=g.random() * 1e-9, c3=g.random() * 1e-6, d0=0.01, d1=0.01,
+                            d2=1e-4, k_over_e=1.0, t_fwd=1.0, t_bar=4096.0, f=0.5)
+                  for i in range(0, 7, 2)])
+    for i in range(7):
+        q = r._nodes[f"P{i}"].queue
+        for j in range(int(g.integers(0, 12))):
+            q.add(f"bg{i}.{j}", int(g.integers(1, 20_000)), int(g.integers(0, 30_000)),
+                  int(g.integers(0, 5_000)))
+        if g.random() < 0.7:
+            t = float(g.random() * 8)
+            r.on_state(NodeState(f"P{i}", t, "prefill",
+                                 launched=[PrefillItem(f"bg{i}.0", 100, 0, 0)] if len(q) else []))
+    step = r.directory.step("b", tokens)
+    req_ = _Req("q", "b", step.path, tokens.size, 0, False)
+    eligible = r._prefill_nodes()
+    view = _View(r, req_, eligible, r.directory.match(step.path), now=float(g.random() * 10))
+    want = [(view.predict(n).t_hat, view.predict(n).own) for n in view.nodes]
+    assert view.t_hats() == want

@@ -26,6 +26,8 @@ When a node stops holding a block in every tier, the block is *lost* on that nod
 
 from __future__ import annotations
 
+from itertools import chain, compress, repeat
+from operator import not_
 from typing import Iterable, Sequence
 
 import msgspec
@@ -272,22 +274,19 @@ class PrefixTree:
             self._count("unknown_parent", node=self._names[node], parent=parent)
         if len(hashes) > 1 and len(set(hashes)) != len(hashes):
             # A chained hash cannot repeat within one path: the event is corrupt. Storing a
-            # block twice is idempotent, so apply it and count it.
+            # block is idempotent, so store each once and count it.
             self._count("duplicate_hash", node=self._names[node])
+            hashes = list(dict.fromkeys(hashes))
         S = self._S
         bits = (1 << (2 * S + node)) | (1 << (S + node) if tier is Tier.L1 else 1 << node)
-        prev = parent
-        new = []
-        for h in hashes:
-            m = held.get(h)
-            if m is None:
-                held[h] = bits
-                parents[h] = prev
-                new.append(h)
-            else:
-                held[h] = m | bits
-            access[h] = now
-            prev = h
+        # Whole-event dict updates (C loops): a store names hundreds of blocks.
+        old = list(map(held.get, hashes, repeat(0)))  # a held block's bits are never 0
+        held.update(zip(hashes, map(bits.__or__, old)))
+        fresh = list(map(not_, old))
+        new = list(compress(hashes, fresh))
+        if new:
+            parents.update(compress(zip(hashes, chain((parent,), hashes)), fresh))
+        access.update(zip(hashes, repeat(now)))
         self.stats.blocks_stored += len(hashes)
         if new:
             self._alloc(new)
@@ -300,15 +299,55 @@ class PrefixTree:
         if tier is None:
             self._count("untracked_medium", medium=medium)
             return []
-        held, parents = self._held, self._parent
-        access = self._access[node]
         S = self._S
         bit = 1 << (S + node) if tier is Tier.L1 else 1 << node
         other = 1 << node if tier is Tier.L1 else 1 << (S + node)
         anybit = 1 << (2 * S + node)
+        hashes = list(hashes)
+        old = list(map(self._held.get, hashes, repeat(0)))
+        if all(map(bit.__and__, old)) and len(set(hashes)) == len(hashes):
+            lost, kept, gone = self._remove_all(node, hashes, old, bit, other, anybit)
+        else:
+            lost, kept, gone = self._remove_each(node, hashes, bit, other, anybit)
+        self.stats.blocks_removed += len(kept) + len(lost)
+        w, b = divmod(node, 32)
+        if lost:
+            self._words[w][self._slots_of(lost)] &= ~np.uint64(1 << b | 1 << (32 + b))
+        if kept and tier is Tier.L1:
+            self._words[w][self._slots_of(kept)] &= ~np.uint64(1 << (32 + b))
+        if gone:
+            self._release_slots(gone)
+        return lost
+
+    def _remove_all(self, node: int, hashes: list[BlockHash], old: list[int], bit: int,
+                    other: int, anybit: int
+                    ) -> tuple[list[BlockHash], list[BlockHash], list[BlockHash]]:
+        """:meth:`remove` of distinct blocks the node holds in the tier, in whole-list dict
+        operations: ``(lost, kept in the other tier, held by no node any more)``."""
+        held, parents, access = self._held, self._parent, self._access[node]
+        in_other = list(map(other.__and__, old))
+        kept = list(compress(hashes, in_other))
+        if kept:
+            held.update(zip(kept, map((~bit).__and__, compress(old, in_other))))
+        only = list(map(not_, in_other))
+        lost = list(compress(hashes, only))
+        rest = list(map((~(bit | anybit)).__and__, compress(old, only)))
+        held.update(compress(zip(lost, rest), rest))
+        gone = list(compress(lost, map(not_, rest)))
+        for h in lost:
+            del access[h]
+        for h in gone:
+            del held[h], parents[h]
+        return lost, kept, gone
+
+    def _remove_each(self, node: int, hashes: list[BlockHash], bit: int, other: int, anybit: int
+                     ) -> tuple[list[BlockHash], list[BlockHash], list[BlockHash]]:
+        """:meth:`remove` block by block: an event with blocks the node does not hold in the
+        tier (each counted) or a block named twice."""
+        held, parents, access = self._held, self._parent, self._access[node]
         lost: list[BlockHash] = []
-        kept: list[BlockHash] = []  # still held in the other tier
-        gone: list[BlockHash] = []  # held by no node any more
+        kept: list[BlockHash] = []
+        gone: list[BlockHash] = []
         for h in hashes:
             m = held.get(h, 0)
             if not m & bit:
@@ -327,15 +366,7 @@ class PrefixTree:
                 del held[h]
                 del parents[h]
                 gone.append(h)
-        self.stats.blocks_removed += len(kept) + len(lost)
-        w, b = divmod(node, 32)
-        if lost:
-            self._words[w][self._slots_of(lost)] &= ~np.uint64(1 << b | 1 << (32 + b))
-        if kept and tier is Tier.L1:
-            self._words[w][self._slots_of(kept)] &= ~np.uint64(1 << (32 + b))
-        if gone:
-            self._release_slots(gone)
-        return lost
+        return lost, kept, gone
 
     def clear(self, node: int) -> list[BlockHash]:
         """The node dropped everything (``AllBlocksCleared``, a crash, a relaunch)."""

@@ -38,8 +38,7 @@ def setup(nodes: int, context: int, seed: int) -> tuple[Router, list[np.ndarray]
             k = int(rng.integers(len(path) // 2, len(path) + 1))
             for medium in ("GPU", "CPU_PINNED"):
                 router.directory.apply(f"n{i}", BlockStored(path[:k], None, [], PAGE, medium=medium), 0.0)
-        # The branch's previous request was routed: its path has been looked up once.
-        router.directory.match(router.directory.step(f"b{a}", ctx).path)
+        router.directory.step(f"b{a}", ctx)
         contexts.append(ctx)
     for i in range(nodes):
         q = router._nodes[f"n{i}"].queue
@@ -60,7 +59,7 @@ def run(nodes: int, context: int, samples: int) -> tuple[np.ndarray, np.ndarray]
         route = router.route(RouteRequest(rid, f"b{a}", contexts[a], 256), float(s))
         route_t.append(time.perf_counter() - t)
         t = time.perf_counter()
-        router.directory.match(route.path)
+        router.directory.match(route.path.hashes)
         match_t.append(time.perf_counter() - t)
         router.finished(rid)
     return np.array(route_t) * 1e6, np.array(match_t) * 1e6

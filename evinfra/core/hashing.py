@@ -64,30 +64,23 @@ def block_hashes(
 
 
 class HashedPath:
-    """The full-page path of one token sequence: its tokens, SHA-256 digests and event hashes
-    (a list, and an int64 array for vectorised lookups).
+    """The full-page path of one token sequence: its tokens, SHA-256 digests and event hashes.
 
-    Immutable once built, but for ``slots``: a lookup cache the prefix tree keeps here (where
-    each block sat in its tables at the last lookup; the tree checks every entry before it
-    trusts it). A path hashed against a base inherits the cache of the pages it shares, so a
-    branch's next request looks up only its new blocks. A branch keeps its last path to hash
-    its next request incrementally.
+    Immutable once built; a branch keeps the last one to hash its next request incrementally.
     """
 
-    __slots__ = ("tokens", "digests", "hashes", "array", "page_size", "shared", "slots")
+    __slots__ = ("tokens", "digests", "hashes", "page_size", "shared")
 
     def __init__(
         self, tokens: np.ndarray, digests: list[bytes], hashes: list[BlockHash], page_size: int,
-        shared: int = 0, array: np.ndarray | None = None, slots: np.ndarray | None = None,
+        shared: int = 0,
     ) -> None:
         self.tokens = tokens
         self.digests = digests
         self.hashes = hashes
-        self.array = np.array(hashes, dtype=np.int64) if array is None else array
         self.page_size = page_size
         # Leading pages taken over from the base path this one was hashed against.
         self.shared = shared
-        self.slots = slots
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -122,22 +115,15 @@ class PathHasher:
         arr = as_tokens(tokens)
         n = arr.size // self.page_size
         keep = self.common_pages(arr, base) if base is not None else 0
-        if base is None or keep == 0:
-            digests = _chain(arr[: n * self.page_size].tobytes(), self.page_size * 4, 0, n, None)
-            return HashedPath(arr, digests, [digest_to_hash(d) for d in digests], self.page_size)
-        if keep == n and keep == len(base):
-            return HashedPath(arr, base.digests, base.hashes, self.page_size, keep, base.array,
-                              base.slots)
+        if base is not None and keep == n and keep == len(base):
+            return HashedPath(arr, base.digests, base.hashes, self.page_size, keep)
+        digests = base.digests[:keep] if base is not None else []
+        hashes = base.hashes[:keep] if base is not None else []
+        prior = digests[-1] if digests else None
+        page_bytes = self.page_size * 4
         # Only the new pages are converted to bytes and hashed.
         tail = arr[keep * self.page_size : n * self.page_size].tobytes()
-        new = _chain(tail, self.page_size * 4, 0, n - keep, base.digests[keep - 1])
-        new_hashes = [digest_to_hash(d) for d in new]
-        array = np.empty(n, np.int64)
-        array[:keep] = base.array[:keep]
-        array[keep:] = new_hashes
-        slots = None
-        if base.slots is not None:
-            slots = np.full(n, -1, np.int64)
-            slots[:keep] = base.slots[:keep]
-        return HashedPath(arr, base.digests[:keep] + new, base.hashes[:keep] + new_hashes,
-                          self.page_size, keep, array, slots)
+        new = _chain(tail, page_bytes, 0, n - keep, prior)
+        digests = digests + new
+        hashes = hashes + [digest_to_hash(d) for d in new]
+        return HashedPath(arr, digests, hashes, self.page_size, keep)

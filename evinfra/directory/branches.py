@@ -16,8 +16,6 @@ push to node ``n`` just the blocks whose count became positive or zero since the
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import not_
 from typing import Iterable, Sequence
 
 import msgspec
@@ -200,9 +198,12 @@ class BranchTable:
             return
         k = b.k.get(node, 0)
         holes = b.holes.pop(node, None)
-        self._inc_all(node, hashes[k:])
+        R = self._R[node]
+        for h in hashes[k:]:
+            self._inc(R, node, h)
         if holes:
-            self._inc_all(node, list(holes))
+            for h in holes:
+                self._inc(R, node, h)
         b.k[node] = len(hashes)
         self._on[node].add(branch)
 
@@ -312,40 +313,22 @@ class BranchTable:
             raise UnknownBranchError(branch)
         return b
 
-    # _inc_all and _dec_all take distinct blocks (a path's chained hashes are), so one pass
-    # of C-level dict and set operations does what a loop of single updates would.
-
-    def _inc_all(self, node: int, hashes: list[BlockHash]) -> None:
-        """``R[b, n] += 1`` for each block; those that became positive are hinted."""
-        R = self._R[node]
-        old = list(map(R.get, hashes, repeat(0)))
-        R.update(zip(hashes, map((1).__add__, old)))
-        fresh = list(compress(hashes, map(not_, old)))
-        if fresh:
-            zero = self._became_zero[node]
-            back = zero.intersection(fresh)
-            if back:
-                zero -= back
-                fresh = [h for h in fresh if h not in back]
-            self._became_pos[node].update(fresh)
+    def _inc(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
+        r = R.get(h, 0)
+        R[h] = r + 1
+        if r == 0:
+            if h in self._became_zero[node]:
+                self._became_zero[node].discard(h)
+            else:
+                self._became_pos[node].add(h)
             self._hinted.add(node)
 
-    def _dec_all(self, node: int, hashes: list[BlockHash]) -> None:
-        """``R[b, n] -= 1`` for each block (all positive); those that reached zero are hinted."""
-        R = self._R[node]
-        old = list(map(R.__getitem__, hashes))
-        R.update(zip(hashes, map((1).__rsub__, old)))
-        gone = list(compress(hashes, map((1).__eq__, old)))
-        if gone:
-            for h in gone:
-                del R[h]
-            pos = self._became_pos[node]
-            back = pos.intersection(gone)
-            if back:
-                pos -= back
-                gone = [h for h in gone if h not in back]
-            self._became_zero[node].update(gone)
-            self._hinted.add(node)
+    def _dec(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
+        r = R[h]
+        if r == 1:
+            self._set_zero(R, node, h)
+        else:
+            R[h] = r - 1
 
     def _set_zero(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
         del R[h]
@@ -361,8 +344,11 @@ class BranchTable:
         if k <= keep:
             return
         holes = b.holes.get(node)
-        drop = b.hashes[keep:k]
-        self._dec_all(node, [h for h in drop if h not in holes] if holes else drop)
+        R = self._R[node]
+        for h in b.hashes[keep:k]:
+            if holes and h in holes:
+                continue
+            self._dec(R, node, h)
         if holes:
             for h in [h for h, i in holes.items() if i >= keep]:
                 del holes[h]

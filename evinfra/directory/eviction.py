@@ -14,9 +14,7 @@ Two halves of one rule:
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
-from itertools import compress, repeat
-from operator import and_, not_, or_
+from collections import OrderedDict
 from typing import Callable, Container, Iterable, Iterator, Mapping
 
 from evinfra.core.types import BlockHash
@@ -73,53 +71,28 @@ class HostEvictionOrder:
         else:
             self._group(block)[block] = None
 
-    def touch_all(self, blocks: list[BlockHash]) -> None:
-        """:meth:`touch` each block in turn (distinct blocks), in whole-list operations."""
-        zero, pos = self._zero, self._pos
-        if self.count_aware:
-            to_pos = list(map(or_, map(pos.__contains__, blocks),
-                              map(self.positive.__contains__, blocks)))
-            # A block in the zero group stays there even if now positive (as touch does).
-            to_pos = list(map(and_, to_pos, map(not_, map(zero.__contains__, blocks))))
-        else:
-            to_pos = [False] * len(blocks)
-        for group, mine in ((pos, to_pos), (zero, list(map(not_, to_pos)))):
-            chosen = list(compress(blocks, mine))
-            if chosen:
-                deque(map(group.pop, chosen, repeat(None)), 0)
-                group.update(zip(chosen, repeat(None)))
-
     def remove(self, block: BlockHash) -> None:
         self._zero.pop(block, None)
         self._pos.pop(block, None)
-
-    def remove_all(self, blocks: Iterable[BlockHash]) -> None:
-        blocks = list(blocks)
-        deque(map(self._zero.pop, blocks, repeat(None)), 0)
-        deque(map(self._pos.pop, blocks, repeat(None)), 0)
-
-    def holds_all(self, blocks: list[BlockHash]) -> list[bool]:
-        """Whether each block is in the order (in host memory)."""
-        return list(map(or_, map(self._zero.__contains__, blocks),
-                        map(self._pos.__contains__, blocks)))
 
     def apply_hints(self, delta: HintDelta) -> None:
         """Regroup the blocks whose count crossed zero, keeping their LRU position rank.
 
         A block that changes group joins the other group as its most recent entry: its
         exact recency relative to that group is unknown to an O(1) structure, and the
-        order between groups, the part the paper's rule is about, is exact. (The two lists
-        of a delta are disjoint, so each moves in whole-list operations.)
+        order between groups, the part the paper's rule is about, is exact.
         """
         zero, pos = self._zero, self._pos
-        self.positive.update(delta.positive)
-        self.positive.difference_update(delta.zero)
-        moves = [(delta.positive, zero, pos)] if self.count_aware else []
-        for blocks, src, dst in moves + [(delta.zero, pos, zero)]:
-            moving = list(compress(blocks, map(src.__contains__, blocks)))
-            if moving:
-                deque(map(src.pop, moving), 0)
-                dst.update(zip(moving, repeat(None)))
+        for h in delta.positive:
+            self.positive.add(h)
+            if self.count_aware and h in zero:
+                del zero[h]
+                pos[h] = None
+        for h in delta.zero:
+            self.positive.discard(h)
+            if h in pos:
+                del pos[h]
+                zero[h] = None
 
     def reset_hints(self, positive: Iterable[BlockHash]) -> None:
         """Replace the positive set wholesale (a resync after a lost connection)."""

@@ -92,24 +92,3 @@ def test_many_nodes_repack_the_masks() -> None:
     m = d.match([1, 2])
     assert m.own[7] == 2 and m.own[69] == 1 and m.union == 2
     d.check_invariants()
-
-
-def test_a_path_rechecks_the_slots_it_remembers(d: Directory) -> None:
-    path = d.step("x", list(range(12))).path
-    a, b, c = path.hashes
-    d.apply("a", stored([a, b, c]), 0.0)
-    assert d.match(path).own == [3, 0, 0]
-    remembered = path.slots.copy()
-    # Every block leaves the tree; their slots go to other blocks, then they come back.
-    d.apply("a", BlockRemoved([a, b, c], medium="GPU"), 1.0)
-    d.apply("b", stored([101, 102, 103]), 1.0)
-    assert d.match(path).union == 0
-    d.apply("c", stored([a, b], "CPU_PINNED"), 2.0)
-    m = d.match(path)
-    assert (m.union, m.own, m.own_l1) == (2, [0, 0, 2], [0, 0, 0])
-    assert list(path.slots[:2]) != list(remembered[:2])
-    # The next request of the branch inherits the remembered slots of the shared pages.
-    longer = d.step("x", list(range(16))).path
-    assert list(longer.slots[:3]) == list(path.slots) and longer.slots[3] == -1
-    assert d.match(longer) == d.match(longer.hashes) == m
-    d.check_invariants()

@@ -277,9 +277,6 @@ class DirectoryMachine(RuleBasedStateMachine):
         for beta in self.tokens:
             path = self._blocks(beta)
             m = self.real.match(path)
-            # The branch's path remembers its blocks' slots from earlier lookups (and its
-            # base path's): whatever moved since, it must see what a fresh lookup sees.
-            assert self.real.match(self.real.branches.path(beta)) == m
             assert m.union == self.ref.union_prefix(path)
             for n in NODES:
                 idx = self.real.index(n)
@@ -318,9 +315,9 @@ def test_the_machine_catches_a_directory_that_ignores_evictions() -> None:
 
 
 class _WideDirectory(Directory):
-    """With 70 nodes the holder bits span two words of the lookup mirror and a word of the
-    packed masks; the 66 extra nodes come first (so the machine's nodes sit in the second
-    word) and stay idle."""
+    """With 70 nodes the packed masks outgrow an int64 (and a 64-bit word), so ``match`` takes
+    its general path; the 66 extra nodes come first (so the machine's nodes have indexes past
+    64) and stay idle."""
 
     def __init__(self, nodes, page_size):
         super().__init__({**{f"idle{i}": Phase.DECODE for i in range(66)}, **nodes}, page_size)

@@ -187,6 +187,6 @@ def test_the_all_node_loop_says_what_predict_says(seed: int, pool: bool) -> None
     step = r.directory.step("b", tokens)
     req_ = _Req("q", "b", step.path, tokens.size, 0, False)
     eligible = r._prefill_nodes()
-    view = _View(r, req_, eligible, r.directory.match(step.path), now=float(g.random() * 10))
+    view = _View(r, req_, eligible, r.directory.match(step.path.hashes), now=float(g.random() * 10))
     want = [(view.predict(n).t_hat, view.predict(n).own) for n in view.nodes]
     assert view.t_hats() == want

@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
-from itertools import compress
-from operator import not_
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -285,25 +282,21 @@ class NodeCache:
                                          self._leaf_first(delta.zero)))
 
     def _leaf_first(self, blocks: list[BlockHash]) -> list[BlockHash]:
-        """The host blocks of ``blocks`` (distinct) by segment, LRU segments first and
-        leaves first within each, then the blocks not in host memory."""
-        held = self.order.holds_all(blocks)
-        mine = list(compress(blocks, held))
-        segs = list(map(self._seg_of.__getitem__, mine))
-        crossed = Counter(segs)
-        partial: dict[_Seg, set[BlockHash]] = {}
-        if any(n != len(seg.hashes) for seg, n in crossed.items()):
-            for h, seg in zip(mine, segs):
-                if crossed[seg] != len(seg.hashes):
-                    partial.setdefault(seg, set()).add(h)
+        mine: dict[_Seg, set[BlockHash]] = {}
+        rest = []
+        for h in blocks:
+            if h in self.order:
+                mine.setdefault(self._seg_of[h], set()).add(h)
+            else:
+                rest.append(h)
         out: list[BlockHash] = []
-        for seg in sorted(crossed, key=lambda s: (s.access, -s.depth)):
-            chosen = partial.get(seg)
-            if chosen is None:  # the usual case: a whole segment crossed
+        for seg in sorted(mine, key=lambda s: (s.access, -s.depth)):
+            chosen = mine[seg]
+            if len(chosen) == len(seg.hashes):  # the usual case: a whole segment crossed
                 out.extend(reversed(seg.hashes))
             else:
                 out.extend(h for h in reversed(seg.hashes) if h in chosen)
-        return out + list(compress(blocks, map(not_, held)))
+        return out + rest
 
     # -- eviction ---------------------------------------------------------------------------
 
@@ -403,11 +396,14 @@ class NodeCache:
             self._emit(BlockRemoved(removed, medium=_CPU))
 
     def _order_add(self, seg: _Seg) -> None:
-        # Deepest first: leaves are evicted before their prefix.
-        self.order.touch_all(seg.hashes[::-1])
+        touch = self.order.touch
+        for h in reversed(seg.hashes):  # deepest first: leaves are evicted before their prefix
+            touch(h)
 
     def _order_remove(self, seg: _Seg) -> None:
-        self.order.remove_all(seg.hashes)
+        remove = self.order.remove
+        for h in seg.hashes:
+            remove(h)
 
     # -- tree surgery -----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ def test_ratios_read_above_one_as_evinfra_better() -> None:
     assert lower(0.0, 1.0) is None and higher(1.0, 0.0) is None
 
 
-@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a"}))
 def test_every_experiment_plans_its_paper_systems(name) -> None:
     config = load_config("etc/cluster.toml")
     plans = EXPERIMENTS[name].plans(config, QUICK, 1)
@@ -85,3 +85,37 @@ def test_fig7_micro_compares_with_dynamo_and_the_best_static_split(tmp_path) -> 
     assert all(isinstance(x, float) for r in ratios["rows"] for x in r[1:3])
     periods = next(t for t in data["tables"] if t["title"].startswith("Throughput per period"))
     assert [r[0] for r in periods["rows"]] == ["putnam", "mixed", "osworld"]
+
+
+def test_fig2a_sweeps_every_split_and_judges_the_best_against_the_paper(tmp_path) -> None:
+    from evinfra.experiments.scale import FULL
+
+    config = load_config("etc/cluster.toml")
+    plans = EXPERIMENTS["fig2a"].plans(config, FULL, 1)
+    assert [p.key for p in plans[:8]] == [f"putnam-224-static-{p}P" for p in range(1, 9)]
+    assert len(plans) == 24 and {p.config.policy.name for p in plans} == {"static-sglang"}
+    micro = msgspec.structs.replace(MICRO, sweep=(2,))
+    runs = run_plans(EXPERIMENTS["fig2a"].plans(config, micro, 1), jobs=2)
+    template = next(iter(runs.values()))
+
+    def outcomes(best: dict[str, int]) -> dict:
+        out = {}
+        for w, n in (("putnam", 224), ("cc", 90), ("osworld", 128)):
+            for p in range(1, 9):
+                summary = msgspec.structs.replace(template.summary,
+                                                  throughput=10.0 - abs(p - best[w]))
+                out[f"{w}-{n}-static-{p}P"] = msgspec.structs.replace(
+                    template, key=f"{w}-{n}-static-{p}P", system=f"static {p}P{9 - p}D",
+                    summary=summary)
+        return out
+
+    report, plots = EXPERIMENTS["fig2a"].report(outcomes({"putnam": 1, "cc": 3, "osworld": 7}),
+                                                FULL, "etc/cluster.toml", 1)
+    assert report.notes[0].startswith("Best splits 1P / 3P / 7P") and ": as in" in report.notes[0]
+    best = next(t for t in report.tables if t.title == "Best split per workload")
+    assert [r[2] for r in best.rows] == ["static 1P8D", "static 3P6D", "static 7P2D"]
+    report, _ = EXPERIMENTS["fig2a"].report(outcomes({"putnam": 4, "cc": 3, "osworld": 7}),
+                                            FULL, "etc/cluster.toml", 1)
+    assert "NOT as in the paper" in report.notes[0]
+    files = write(tmp_path, report, plots)
+    assert all(f.stat().st_size > 0 for f in files)

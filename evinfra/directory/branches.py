@@ -198,12 +198,9 @@ class BranchTable:
             return
         k = b.k.get(node, 0)
         holes = b.holes.pop(node, None)
-        R = self._R[node]
-        for h in hashes[k:]:
-            self._inc(R, node, h)
+        self._inc_all(node, hashes[k:])
         if holes:
-            for h in holes:
-                self._inc(R, node, h)
+            self._inc_all(node, holes)
         b.k[node] = len(hashes)
         self._on[node].add(branch)
 
@@ -313,22 +310,44 @@ class BranchTable:
             raise UnknownBranchError(branch)
         return b
 
-    def _inc(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
-        r = R.get(h, 0)
-        R[h] = r + 1
-        if r == 0:
-            if h in self._became_zero[node]:
-                self._became_zero[node].discard(h)
-            else:
-                self._became_pos[node].add(h)
+    # A path's blocks are counted in loops without a call per block: a request counts its
+    # whole context on a node it is new to.
+
+    def _inc_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
+        """``R[b, n] += 1`` for each block; a count that leaves zero is hinted."""
+        R, zero, pos = self._R[node], self._became_zero[node], self._became_pos[node]
+        get = R.get
+        crossed = False
+        for h in hashes:
+            r = get(h, 0)
+            R[h] = r + 1
+            if not r:
+                crossed = True
+                if h in zero:
+                    zero.discard(h)
+                else:
+                    pos.add(h)
+        if crossed:
             self._hinted.add(node)
 
-    def _dec(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
-        r = R[h]
-        if r == 1:
-            self._set_zero(R, node, h)
-        else:
-            R[h] = r - 1
+    def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
+        """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is
+        hinted."""
+        R, zero, pos = self._R[node], self._became_zero[node], self._became_pos[node]
+        crossed = False
+        for h in hashes:
+            r = R[h]
+            if r == 1:
+                crossed = True
+                del R[h]
+                if h in pos:
+                    pos.discard(h)
+                else:
+                    zero.add(h)
+            else:
+                R[h] = r - 1
+        if crossed:
+            self._hinted.add(node)
 
     def _set_zero(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
         del R[h]
@@ -344,11 +363,8 @@ class BranchTable:
         if k <= keep:
             return
         holes = b.holes.get(node)
-        R = self._R[node]
-        for h in b.hashes[keep:k]:
-            if holes and h in holes:
-                continue
-            self._dec(R, node, h)
+        drop = b.hashes[keep:k]
+        self._dec_all(node, [h for h in drop if h not in holes] if holes else drop)
         if holes:
             for h in [h for h, i in holes.items() if i >= keep]:
                 del holes[h]

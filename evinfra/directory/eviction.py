@@ -71,6 +71,29 @@ class HostEvictionOrder:
         else:
             self._group(block)[block] = None
 
+    def touch_all(self, blocks: Iterable[BlockHash]) -> None:
+        """:meth:`touch` each block in turn (one call for a segment)."""
+        zero, pos, positive = self._zero, self._pos, self.positive
+        aware = self.count_aware
+        for h in blocks:
+            if h in zero:
+                zero.move_to_end(h)
+            elif h in pos:
+                pos.move_to_end(h)
+            elif aware and h in positive:
+                pos[h] = None
+            else:
+                zero[h] = None
+
+    def split_held(self, blocks: Iterable[BlockHash]) -> tuple[list[BlockHash], list[BlockHash]]:
+        """``blocks`` in the order and not, each list in the given order."""
+        zero, pos = self._zero, self._pos
+        held: list[BlockHash] = []
+        rest: list[BlockHash] = []
+        for h in blocks:
+            (held if h in zero or h in pos else rest).append(h)
+        return held, rest
+
     def remove(self, block: BlockHash) -> None:
         self._zero.pop(block, None)
         self._pos.pop(block, None)

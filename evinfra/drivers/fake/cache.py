@@ -283,12 +283,15 @@ class NodeCache:
 
     def _leaf_first(self, blocks: list[BlockHash]) -> list[BlockHash]:
         mine: dict[_Seg, set[BlockHash]] = {}
-        rest = []
-        for h in blocks:
-            if h in self.order:
-                mine.setdefault(self._seg_of[h], set()).add(h)
+        held, rest = self.order.split_held(blocks)
+        seg_of = self._seg_of
+        for h in held:
+            seg = seg_of[h]
+            chosen = mine.get(seg)
+            if chosen is None:
+                mine[seg] = {h}
             else:
-                rest.append(h)
+                chosen.add(h)
         out: list[BlockHash] = []
         for seg in sorted(mine, key=lambda s: (s.access, -s.depth)):
             chosen = mine[seg]
@@ -396,9 +399,8 @@ class NodeCache:
             self._emit(BlockRemoved(removed, medium=_CPU))
 
     def _order_add(self, seg: _Seg) -> None:
-        touch = self.order.touch
-        for h in reversed(seg.hashes):  # deepest first: leaves are evicted before their prefix
-            touch(h)
+        # Deepest first: leaves are evicted before their prefix.
+        self.order.touch_all(reversed(seg.hashes))
 
     def _order_remove(self, seg: _Seg) -> None:
         remove = self.order.remove

@@ -86,7 +86,8 @@ class HostEvictionOrder:
                 zero[h] = None
 
     def split_held(self, blocks: Iterable[BlockHash]) -> tuple[list[BlockHash], list[BlockHash]]:
-        """``blocks`` in the order and not, each list in the given order."""
+        """The blocks this order holds (in host memory) and the others, each list in the
+        given order."""
         zero, pos = self._zero, self._pos
         held: list[BlockHash] = []
         rest: list[BlockHash] = []

@@ -194,8 +194,8 @@ class _View:
 
     def t_hats(self) -> list[tuple[float, int]]:
         router = self._router
-        return router._t_hats(self._r, [router._nodes[n] for n in self.nodes], self.match,
-                              self.now)
+        return [e[:2] for e in router._estimates(
+            self._r, [router._nodes[n] for n in self.nodes], self.match, self.now)]
 
     def predict_full_input(self, node: NodeId) -> Prediction:
         p = self._full.get(node)
@@ -335,30 +335,14 @@ class Router:
         """Held requests the prefill strategy lets go now (route them again)."""
         return self.prefill.released(now)
 
-    def _estimate(self, r: _Req, n: _Node, match: PrefixMatch, now: float
-                  ) -> tuple[float, int, float, int, int, int, int]:
-        """E.3 lines 6-9 on ``n``: ``(T̂_n, own, Ŵ_n, t_uc, t_c, t_rst, x)``. The cached prefix
-        ``t_c`` reaches as far as some node holds it when the pool serves it (``x`` of it
-        fetched), else only ``n``'s own prefix (``own`` tokens)."""
-        page = self.directory.page_size
-        cap = r.t_in - 1  # at least one input token is computed
-        cfg = self.config.ttft
-        own = min(match.own[n.idx] * page, cap)
-        x = min(match.union * page, cap) - own if self.pool else 0
-        if x < cfg.fetch_min_tokens:
-            x, t_c = 0, own  # below the fetch threshold the tokens are recomputed
-        else:
-            t_c = own + x
-        t_rst = own - min(match.own_l1[n.idx] * page, own) + x
-        t_hat, w_hat = estimate(n.queue, self._coef.get(n.name, self._prior),
-                                self._t_rem(n, now), r.t_in - t_c, t_c, t_rst, x, cfg)
-        return t_hat, own, w_hat, r.t_in - t_c, t_c, t_rst, x
-
-    def _t_hats(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float
-                ) -> list[tuple[float, int]]:
-        """``(T̂_n, own)`` of :meth:`_estimate` for many nodes, in one loop: the same
-        operations in the same order (so the same floats), inlined because a route runs
-        them on every prefill node (``tests/router`` checks the two agree)."""
+    def _estimates(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float
+                   ) -> list[tuple[float, int, float, int, int, int, int]]:
+        """E.3 lines 6-9 on each node: ``(T̂_n, own, Ŵ_n, t_uc, t_c, t_rst, x)``. The cached
+        prefix ``t_c`` reaches as far as some node holds it when the pool serves it (``x``
+        of it fetched), else only ``n``'s own prefix (``own`` tokens). The arithmetic is
+        :func:`~evinfra.router.ttft.estimate`'s, in the same order (so the same floats),
+        inlined because every route runs it on every prefill node (``tests/router`` checks
+        the two agree)."""
         page = self.directory.page_size
         t_in = r.t_in
         cap = t_in - 1
@@ -390,11 +374,12 @@ class Router:
             done = (t_rem + c0 * -(-(U + t_uc) // B) + c1 * (U + t_uc) + c2 * (q.SA + A)
                     + c3 * (q.SR + t_rst))
             fetch = fbase + fper * x if x >= fmin and x > 0 else 0.0
-            out.append((done + max(0.0, fetch - w_hat) + kappa * x, own))
+            out.append((done + max(0.0, fetch - w_hat) + kappa * x, own, w_hat, t_uc, t_c,
+                        t_rst, x))
         return out
 
     def _predict(self, r: _Req, n: _Node, match: PrefixMatch, now: float) -> Prediction:
-        t_hat, own, w_hat, t_uc, t_c, t_rst, x = self._estimate(r, n, match, now)
+        t_hat, own, w_hat, t_uc, t_c, t_rst, x = self._estimates(r, [n], match, now)[0]
         return Prediction(n.name, t_hat, w_hat, t_uc, t_c, t_rst, x, own)
 
     def _fetch_plan(self, r: _Req, n: _Node, p: Prediction, match: PrefixMatch

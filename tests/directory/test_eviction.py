@@ -32,3 +32,29 @@ def test_plain_lru_for_baselines_ignores_hints() -> None:
     for h in (1, 2):
         o.touch(h)
     assert list(o.victims()) == [1, 2]
+
+
+def test_whole_segment_operations_match_one_block_at_a_time() -> None:
+    import random
+
+    rnd = random.Random(7)
+    for aware in (True, False):
+        one, many = HostEvictionOrder(aware), HostEvictionOrder(aware)
+        for _ in range(200):
+            blocks = rnd.sample(range(40), rnd.randint(1, 8))
+            if rnd.random() < 0.3:
+                delta = HintDelta(sorted(set(blocks[:3])), sorted(set(blocks[3:5])))
+                one.apply_hints(delta)
+                many.apply_hints(delta)
+            elif rnd.random() < 0.2:
+                for h in blocks:
+                    one.remove(h)
+                    many.remove(h)
+            else:
+                for h in blocks:
+                    one.touch(h)
+                many.touch_all(blocks)
+            assert list(one.victims()) == list(many.victims())
+        held, rest = many.split_held(range(40))
+        assert held == [h for h in range(40) if h in many] and set(rest).isdisjoint(held)
+        assert len(held) + len(rest) == 40

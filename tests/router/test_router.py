@@ -159,11 +159,13 @@ def test_a_failure_before_prefill_routes_again() -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("pool", [True, False])
-def test_the_all_node_loop_says_what_predict_says(seed: int, pool: bool) -> None:
-    """``t_hats`` (one inlined loop over the nodes, what every route runs) returns exactly the
-    floats of ``predict`` per node, over random queues, reports, models and prefixes."""
+def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
+    """The router's one loop over the prefill nodes (what every route runs) gives, per node,
+    E.3 lines 6-9's inputs and exactly the floats of ``ttft.estimate`` on them, over random
+    queues, reports, models and prefixes."""
     from evinfra.planner.itermodel import NodeModel
     from evinfra.router.router import _Req, _View
+    from evinfra.router.ttft import estimate
 
     g = np.random.default_rng(seed)
     nodes = {f"P{i}": Phase.PREFILL for i in range(7)} | {"D1": Phase.DECODE}
@@ -185,8 +187,20 @@ def test_the_all_node_loop_says_what_predict_says(seed: int, pool: bool) -> None
             r.on_state(NodeState(f"P{i}", t, "prefill",
                                  launched=[PrefillItem(f"bg{i}.0", 100, 0, 0)] if len(q) else []))
     step = r.directory.step("b", tokens)
-    req_ = _Req("q", "b", step.path, tokens.size, 0, False)
+    now = float(g.random() * 10)
+    match = r.directory.match(step.path.hashes)
     eligible = r._prefill_nodes()
-    view = _View(r, req_, eligible, r.directory.match(step.path.hashes), now=float(g.random() * 10))
-    want = [(view.predict(n).t_hat, view.predict(n).own) for n in view.nodes]
-    assert view.t_hats() == want
+    got = r._estimates(_Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+    cfg = r.config.ttft
+    for n, (t_hat, own, w_hat, t_uc, t_c, t_rst, x) in zip(eligible, got):
+        i = r.directory.index(n.name)
+        assert own == min(match.own[i] * PAGE, tokens.size - 1)
+        reach = min(match.union * PAGE, tokens.size - 1) - own if pool else 0
+        assert x == (reach if reach >= cfg.fetch_min_tokens else 0)
+        assert (t_c, t_uc) == (own + x, tokens.size - own - x)
+        assert t_rst == own - min(match.own_l1[i] * PAGE, own) + x
+        assert (t_hat, w_hat) == estimate(n.queue, r.coefficients(n.name), r._t_rem(n, now),
+                                          t_uc, t_c, t_rst, x, cfg)
+    view = _View(r, _Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+    assert view.t_hats() == [e[:2] for e in got]
+    assert [view.predict(n).t_hat for n in view.nodes] == [e[0] for e in got]

@@ -340,6 +340,8 @@ class Service:
             self.router.decode_admitted(ev.request, ev.node)
             self._set_decoding(self._decoding + 1)
             self._flush_hints()
+            if self._switching:
+                self._check_drains()
         f.out += len(ev.tokens)
         if len(ev.tokens):
             f.sink.tokens(ev.tokens)
@@ -549,8 +551,10 @@ class Service:
         self._check_drains()
 
     def _check_drains(self) -> None:
+        # A relaunch drops the node's KV: the decode side must have read its prefills first.
+        handoffs = self.policy.switch == "relaunch"
         for node, phase in list(self._switching.items()):
-            if self.router.drained(node):
+            if self.router.drained(node, handoffs):
                 del self._switching[node]
                 self.drivers[node].switch_phase(phase)
 

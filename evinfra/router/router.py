@@ -149,7 +149,7 @@ class _Req:
 
 class _Node:
     __slots__ = ("name", "idx", "phase", "draining", "healthy", "queue", "state", "t_rem_at",
-                 "decoding", "unadmitted", "running_prefill", "last_chosen")
+                 "decoding", "unadmitted", "running_prefill", "handoff", "last_chosen")
 
     def __init__(self, name: NodeId, idx: int, phase: Phase) -> None:
         self.name = name
@@ -163,6 +163,9 @@ class _Node:
         self.decoding: set[RequestId] = set()
         self.unadmitted: dict[RequestId, int] = {}
         self.running_prefill: set[RequestId] = set()
+        # Prefilled here, bound to decode elsewhere, not admitted there yet: the decode node
+        # still has to read the KV from this node.
+        self.handoff: set[RequestId] = set()
         self.last_chosen = 0  # the router's route count when it last chose this node
 
 
@@ -481,6 +484,8 @@ class Router:
         if n is not None:
             n.queue.remove(request)
             n.running_prefill.discard(request)
+            if r is not None and r.decode not in (None, node):
+                n.handoff.add(request)
         self.prefill.prefill_done(request, node)
         if r is not None and not r.done:
             r.done = True
@@ -491,6 +496,8 @@ class Router:
         n = self._nodes.get(node)
         if n is not None:
             n.unadmitted.pop(request, None)
+        if r is not None and r.prefill is not None:
+            self._nodes[r.prefill].handoff.discard(request)
         if r is not None and not r.admitted:
             r.admitted = True
             self.directory.settle(r.branch, node)
@@ -507,6 +514,7 @@ class Router:
             if n is not None:
                 n.queue.remove(request)
                 n.running_prefill.discard(request)
+                n.handoff.discard(request)
                 n.decoding.discard(request)
                 n.unadmitted.pop(request, None)
         return r.branch
@@ -570,13 +578,16 @@ class Router:
         self._unbind(r)
         return self.route(RouteRequest(request, r.branch, None, 0), now)
 
-    def drained(self, node: NodeId) -> bool:
-        """No work of the old phase is left on a draining node."""
+    def drained(self, node: NodeId, handoffs: bool = False) -> bool:
+        """No work of the old phase is left on a draining node. With ``handoffs`` a prefill
+        node also waits until the decode nodes have read every KV it produced: an engine
+        that relaunches to switch (Dynamo) loses its memory, an in-place switch keeps it
+        readable."""
         n = self._nodes[node]
         if n.draining is None:
             return False
         if n.phase is Phase.PREFILL:
-            return not len(n.queue) and not n.running_prefill
+            return not len(n.queue) and not n.running_prefill and not (handoffs and n.handoff)
         return not n.decoding
 
     def switched(self, node: NodeId, phase: Phase) -> None:

@@ -140,6 +140,29 @@ def test_drain_moves_queued_requests_and_lets_running_ones_finish() -> None:
     assert r.split() == (["P2"], ["D1", "P1"])
 
 
+def test_a_relaunch_drain_waits_until_decode_read_the_kv() -> None:
+    """A relaunching engine (Dynamo) loses its KV, so its drain also waits for the decode
+    nodes to take the prefills it finished; an in-place switch need not."""
+    r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
+    load(r, "P2", 40)
+    assert r.route(req("q", np.arange(3000, dtype=np.uint32)), 0.0).node == "P1"
+    assert r.prefill_started("q", "P1", 0.1).node == "D1"
+    r.begin_switch("P1", Phase.DECODE)
+    r.prefill_done("q", "P1")
+    assert r.drained("P1") and not r.drained("P1", handoffs=True)
+    r.decode_admitted("q", "D1")
+    assert r.drained("P1", handoffs=True)
+    # A request that ends before decode admits it (failed, aborted) hands nothing off.
+    r._nodes["P2"].queue = type(r._nodes["P2"].queue)()  # P2's load is done meanwhile
+    assert r.route(req("q2", np.arange(4000, dtype=np.uint32)), 0.2).node == "P2"
+    r.prefill_started("q2", "P2", 0.3)
+    r.begin_switch("P2", Phase.DECODE)
+    r.prefill_done("q2", "P2")
+    assert not r.drained("P2", handoffs=True)
+    r.finished("q2")
+    assert r.drained("P2", handoffs=True)
+
+
 def test_collocated_nodes_take_their_new_phase_at_once() -> None:
     r = make({"N1": Phase.COLLOCATED, "N2": Phase.COLLOCATED})
     route = r.route(req("a", np.arange(300, dtype=np.uint32)), 0.0)

@@ -222,12 +222,12 @@ def test_a_failing_target_never_stops_the_run_and_every_error_is_counted(tmp_pat
 # ---- bad targets and arguments -------------------------------------------------------------
 
 def test_an_unreachable_target_is_one_line_and_a_nonzero_exit(tmp_path):
-    t0 = time.monotonic()
+    # It must give up rather than retry for the whole run: replay()'s timeout bounds it (no
+    # wall-clock assertion of our own: a loaded machine starts Python slowly).
     done = replay("--target", f"http://127.0.0.1:{_free_port()}", "--workload", "cc",
-                  "--agents", "1", "--duration", "5", "--out", str(tmp_path / "x"))
+                  "--agents", "1", "--duration", "600", "--out", str(tmp_path / "x"))
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "cannot reach" in done.stderr, done.stderr
-    assert time.monotonic() - t0 < 15
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -326,7 +326,8 @@ def test_a_round_trip_through_the_service_keeps_the_blocks_in_the_directory(pair
 
         th = threading.Thread(target=run_long)
         th.start()
-        time.sleep(0.8)  # decoding on b
+        # Bound to b for decode (at its prefill start): b's drain must let it finish.
+        wait(lambda: svc.call(lambda s: bool(s.router._nodes["b"].decoding)), what="bound to b")
         roles = lambda: svc.call(lambda s: {n: s.router.phase(n).value for n in s.nodes})  # noqa
         code, body = http("POST", svc.url + "/v1/evinfra/split", {"prefill": ["b"]})
         assert code == 200, body

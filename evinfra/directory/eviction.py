@@ -64,12 +64,7 @@ class HostEvictionOrder:
 
     def touch(self, block: BlockHash) -> None:
         """Insert ``block`` or mark it most recently used."""
-        if block in self._zero:
-            self._zero.move_to_end(block)
-        elif block in self._pos:
-            self._pos.move_to_end(block)
-        else:
-            self._group(block)[block] = None
+        self.touch_all((block,))
 
     def touch_all(self, blocks: Iterable[BlockHash]) -> None:
         """:meth:`touch` each block in turn (one call for a segment)."""

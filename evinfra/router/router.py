@@ -174,7 +174,7 @@ class _View:
     computed once per node and kept, so a strategy may ask freely."""
 
     __slots__ = ("_router", "_r", "request", "branch", "path", "t_in", "need", "final", "nodes",
-                 "match", "now", "_pred", "_full")
+                 "match", "now", "_pred", "_est", "_full")
 
     def __init__(self, router: "Router", r: _Req, nodes: list[_Node], match: PrefixMatch,
                  now: float) -> None:
@@ -186,19 +186,26 @@ class _View:
         self.match = match
         self.now = now
         self._pred: dict[NodeId, Prediction] = {}
+        self._est: dict[NodeId, tuple[float, int, float, int, int, int, int]] = {}
         self._full: dict[NodeId, Prediction] = {}
 
     def predict(self, node: NodeId) -> Prediction:
         p = self._pred.get(node)
         if p is None:
-            p = self._pred[node] = self._router._predict(self._r, self._router._nodes[node],
-                                                         self.match, self.now)
+            e = self._est.get(node)
+            if e is None:
+                e = self._router._estimates(self._r, [self._router._nodes[node]], self.match,
+                                            self.now)[0]
+            t_hat, own, w_hat, t_uc, t_c, t_rst, x = e
+            p = self._pred[node] = Prediction(node, t_hat, w_hat, t_uc, t_c, t_rst, x, own)
         return p
 
     def t_hats(self) -> list[tuple[float, int]]:
         router = self._router
-        return [e[:2] for e in router._estimates(
-            self._r, [router._nodes[n] for n in self.nodes], self.match, self.now)]
+        est = router._estimates(self._r, [router._nodes[n] for n in self.nodes], self.match,
+                                self.now)
+        self._est = dict(zip(self.nodes, est))  # the chosen node's Prediction reuses its row
+        return [e[:2] for e in est]
 
     def predict_full_input(self, node: NodeId) -> Prediction:
         p = self._full.get(node)
@@ -380,10 +387,6 @@ class Router:
             out.append((done + max(0.0, fetch - w_hat) + kappa * x, own, w_hat, t_uc, t_c,
                         t_rst, x))
         return out
-
-    def _predict(self, r: _Req, n: _Node, match: PrefixMatch, now: float) -> Prediction:
-        t_hat, own, w_hat, t_uc, t_c, t_rst, x = self._estimates(r, [n], match, now)[0]
-        return Prediction(n.name, t_hat, w_hat, t_uc, t_c, t_rst, x, own)
 
     def _fetch_plan(self, r: _Req, n: _Node, p: Prediction, match: PrefixMatch
                     ) -> list[FetchRun]:

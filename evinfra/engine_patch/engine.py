@@ -124,7 +124,10 @@ class EnginePatch:
         s = self.scheduler
         out: dict[str, Any] = {"info": msgspec.to_builtins(self.info()),
                                "role": s.disaggregation_mode.value,
-                               "disabled": self.disabled, "time": time.time()}
+                               "disabled": self.disabled, "time": time.time(),
+                               "running": (len(s.running_batch.reqs) if s.running_batch is not None
+                                           else 0),
+                               "waiting": len(s.waiting_queue)}
         if self.switch is not None:
             out["switch"] = {"draining": self.switch.draining,
                              "history": [msgspec.to_builtins(r) for r in self.switch.history]}

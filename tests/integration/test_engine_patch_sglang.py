@@ -248,7 +248,10 @@ def test_a_switch_drains_by_itself_and_keeps_the_cache(pair):
 
     th = threading.Thread(target=run_long)
     th.start()
-    time.sleep(0.6)  # b is decoding the long request
+    deadline = time.monotonic() + 60
+    while status(b)["running"] < 1:  # until b is decoding the long request
+        assert time.monotonic() < deadline and th.is_alive(), "the long request never reached b"
+        time.sleep(0.05)
     with ThreadPoolExecutor(2) as pool:
         to_p = pool.submit(switch, b, "prefill")
         to_d = pool.submit(switch, a, "decode")

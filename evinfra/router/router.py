@@ -26,6 +26,7 @@ the old phase, withdraw queued requests) → :meth:`withdrawn` (route again) →
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import msgspec
@@ -149,7 +150,8 @@ class _Req:
 
 class _Node:
     __slots__ = ("name", "idx", "phase", "draining", "healthy", "queue", "state", "t_rem_at",
-                 "decoding", "unadmitted", "running_prefill", "handoff", "last_chosen")
+                 "decoding", "unadmitted", "running_prefill", "handoff", "last_chosen",
+                 "version", "row", "row_q", "row_v")
 
     def __init__(self, name: NodeId, idx: int, phase: Phase) -> None:
         self.name = name
@@ -167,6 +169,12 @@ class _Node:
         # still has to read the KV from this node.
         self.handoff: set[RequestId] = set()
         self.last_chosen = 0  # the router's route count when it last chose this node
+        # The node's Eq. 7 inputs that change only with its queue, state or coefficients
+        # (``Router._row``), built from queue version ``row_q`` and node version ``row_v``;
+        # ``version`` moves with the state and the coefficients.
+        self.version = 0
+        self.row: tuple = ()
+        self.row_q = self.row_v = -1
 
 
 class _View:
@@ -264,6 +272,7 @@ class Router:
             if m.node in self._nodes and m.prefill_ok:
                 self._models[m.node] = m
                 self._coef[m.node] = (m.c0, m.c1, m.c2, m.c3)
+                self._nodes[m.node].version += 1
 
     def coefficients(self, node: NodeId) -> tuple[float, float, float, float]:
         return self._coef.get(node, self._prior)
@@ -275,6 +284,7 @@ class Router:
         if n is None:
             return
         n.state = state
+        n.version += 1
         if state.launched:
             c0, c1, c2, c3 = self.coefficients(n.name)
             dur = c0
@@ -345,6 +355,19 @@ class Router:
         """Held requests the prefill strategy lets go now (route them again)."""
         return self.prefill.released(now)
 
+    def _row(self, n: _Node) -> tuple:
+        """``n``'s Eq. 7 inputs that no request changes: ``U``, ``ΣA``, ``Σt_rst``, c0..c3, the
+        four terms of ``Ŵ_n`` after ``T_rem`` (the ``⌊U/B⌋`` iterations before the request),
+        ``T_rem``'s anchor and the state's time (-inf: none). Rebuilt when they move."""
+        q, B = n.queue, self.config.ttft.chunk_tokens
+        c0, c1, c2, c3 = self._coef.get(n.name, self._prior)
+        k = q.U // B
+        A_k, R_k = q.first(k * B)
+        n.row = (q.U, q.SA, q.SR, c0, c1, c2, c3, c0 * k, c1 * k * B, c2 * A_k, c3 * R_k,
+                 n.t_rem_at, n.state.time if n.state is not None else -math.inf)
+        n.row_q, n.row_v = q.version, n.version
+        return n.row
+
     def _estimates(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float
                    ) -> list[tuple[float, int, float, int, int, int, int]]:
         """E.3 lines 6-9 on each node: ``(T̂_n, own, Ŵ_n, t_uc, t_c, t_rst, x)``. The cached
@@ -352,40 +375,47 @@ class Router:
         of it fetched), else only ``n``'s own prefix (``own`` tokens). The arithmetic is
         :func:`~evinfra.router.ttft.estimate`'s, in the same order (so the same floats),
         inlined because every route runs it on every prefill node (``tests/router`` checks
-        the two agree)."""
+        the two agree); what no request changes comes from the node's cached row."""
         page = self.directory.page_size
         t_in = r.t_in
         cap = t_in - 1
         cfg = self.config.ttft
         B, fmin, kappa = cfg.chunk_tokens, cfg.fetch_min_tokens, cfg.kappa
         fbase, fper, max_age = cfg.fetch_base_s, cfg.fetch_s_per_token, cfg.state_max_age_s
-        union = min(match.union * page, cap) if self.pool else 0
+        pool = self.pool
+        union = min(match.union * page, cap) if pool else 0
         own_all, l1_all = match.own, match.own_l1
-        coef, prior = self._coef, self._prior
         out = []
         for n in nodes:
-            own = min(own_all[n.idx] * page, cap)
-            x = union - own if self.pool else 0
+            row = (n.row if n.row_q == n.queue.version and n.row_v == n.version
+                   else self._row(n))
+            U, SA, SR, c0, c1, c2, c3, w0, w1, w2, w3, t_rem_at, s_time = row
+            own = own_all[n.idx] * page
+            if own > cap:
+                own = cap
+            x = union - own if pool else 0
             if x < fmin:
                 x, t_c = 0, own
             else:
                 t_c = own + x
-            t_rst = own - min(l1_all[n.idx] * page, own) + x
+            l1 = l1_all[n.idx] * page
+            t_rst = own - (l1 if l1 < own else own) + x
             t_uc = t_in - t_c
-            s = n.state
-            t_rem = 0.0 if s is None or now - s.time > max_age else max(0.0, n.t_rem_at - now)
-            c0, c1, c2, c3 = coef.get(n.name, prior)
-            q = n.queue
-            U = q.U
-            k = U // B
-            A_k, R_k = q.first(k * B)
-            w_hat = t_rem + c0 * k + c1 * k * B + c2 * A_k + c3 * R_k
-            A = t_uc * t_c + t_uc * (t_uc + 1) // 2
-            done = (t_rem + c0 * -(-(U + t_uc) // B) + c1 * (U + t_uc) + c2 * (q.SA + A)
-                    + c3 * (q.SR + t_rst))
-            fetch = fbase + fper * x if x >= fmin and x > 0 else 0.0
-            out.append((done + max(0.0, fetch - w_hat) + kappa * x, own, w_hat, t_uc, t_c,
-                        t_rst, x))
+            if now - s_time > max_age:
+                t_rem = 0.0
+            else:
+                t_rem = t_rem_at - now
+                if t_rem < 0.0:
+                    t_rem = 0.0
+            w_hat = t_rem + w0 + w1 + w2 + w3
+            Ut = U + t_uc
+            done = (t_rem + c0 * -(-Ut // B) + c1 * Ut + c2 * (SA + t_uc * t_c + t_uc * (t_uc + 1) // 2)
+                    + c3 * (SR + t_rst))
+            if x >= fmin and x > 0:
+                gap = fbase + fper * x - w_hat
+                if gap > 0.0:
+                    done += gap
+            out.append((done + kappa * x, own, w_hat, t_uc, t_c, t_rst, x))
         return out
 
     def _fetch_plan(self, r: _Req, n: _Node, p: Prediction, match: PrefixMatch

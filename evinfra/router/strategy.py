@@ -122,9 +122,12 @@ class TTFTStrategy(Stateless):
     def choose(self, view: RouteView) -> Prediction:
         nodes = view.nodes
         estimates = view.t_hats()
-        t_hats = [round(t, 9) for t, _ in estimates]
-        least = min(t_hats)
-        tied = [i for i, t in enumerate(t_hats) if t == least]
+        # Ties are equal T̂ to 9 decimals. ``round`` is monotone and a difference of close
+        # floats is exact, so the tied nodes are among those within 2 ns of the minimum:
+        # only those are rounded.
+        lo = min(t for t, _ in estimates)
+        least = round(lo, 9)
+        tied = [i for i, (t, _) in enumerate(estimates) if t - lo <= 2e-9 and round(t, 9) == least]
         best = min(tied, key=lambda i: (-estimates[i][1], view.last_chosen(nodes[i]), nodes[i]))
         return view.predict(nodes[best])
 

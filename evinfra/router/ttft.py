@@ -95,6 +95,8 @@ class PrefillQueue:
         self.U = 0
         self.SA = 0
         self.SR = 0
+        # Bumped by every change: the router's per-node row of Eq. 7 inputs is rebuilt then.
+        self.version = 0
         # first(k) of the last call: between two changes of this queue, every route asks
         # the same k, so all nodes but the one that took the last request answer in O(1).
         self._first: tuple[int, int, int] | None = None
@@ -146,6 +148,7 @@ class PrefillQueue:
 
     def _set(self, i: int, u: int, t_c: int, r: int) -> None:
         self._first = None
+        self.version += 1
         a_old = self._a(self._u[i], self._tc[i])
         a_new = self._a(u, t_c)
         du, da, dr = u - self._u[i], a_new - a_old, r - self._r[i]

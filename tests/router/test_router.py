@@ -185,7 +185,8 @@ def test_a_failure_before_prefill_routes_again() -> None:
 def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
     """The router's one loop over the prefill nodes (what every route runs) gives, per node,
     E.3 lines 6-9's inputs and exactly the floats of ``ttft.estimate`` on them, over random
-    queues, reports, models and prefixes."""
+    queues, reports, models and prefixes, and again after they change (the loop caches
+    what no request changes)."""
     from evinfra.planner.itermodel import NodeModel
     from evinfra.router.router import _Req, _View
     from evinfra.router.ttft import estimate
@@ -210,20 +211,30 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
             r.on_state(NodeState(f"P{i}", t, "prefill",
                                  launched=[PrefillItem(f"bg{i}.0", 100, 0, 0)] if len(q) else []))
     step = r.directory.step("b", tokens)
-    now = float(g.random() * 10)
     match = r.directory.match(step.path.hashes)
     eligible = r._prefill_nodes()
-    got = r._estimates(_Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
     cfg = r.config.ttft
-    for n, (t_hat, own, w_hat, t_uc, t_c, t_rst, x) in zip(eligible, got):
-        i = r.directory.index(n.name)
-        assert own == min(match.own[i] * PAGE, tokens.size - 1)
-        reach = min(match.union * PAGE, tokens.size - 1) - own if pool else 0
-        assert x == (reach if reach >= cfg.fetch_min_tokens else 0)
-        assert (t_c, t_uc) == (own + x, tokens.size - own - x)
-        assert t_rst == own - min(match.own_l1[i] * PAGE, own) + x
-        assert (t_hat, w_hat) == estimate(n.queue, r.coefficients(n.name), r._t_rem(n, now),
-                                          t_uc, t_c, t_rst, x, cfg)
-    view = _View(r, _Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
-    assert view.t_hats() == [e[:2] for e in got]
-    assert [view.predict(n).t_hat for n in view.nodes] == [e[0] for e in got]
+
+    def check(now: float) -> None:
+        got = r._estimates(_Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+        for n, (t_hat, own, w_hat, t_uc, t_c, t_rst, x) in zip(eligible, got):
+            i = r.directory.index(n.name)
+            assert own == min(match.own[i] * PAGE, tokens.size - 1)
+            reach = min(match.union * PAGE, tokens.size - 1) - own if pool else 0
+            assert x == (reach if reach >= cfg.fetch_min_tokens else 0)
+            assert (t_c, t_uc) == (own + x, tokens.size - own - x)
+            assert t_rst == own - min(match.own_l1[i] * PAGE, own) + x
+            assert (t_hat, w_hat) == estimate(n.queue, r.coefficients(n.name), r._t_rem(n, now),
+                                              t_uc, t_c, t_rst, x, cfg)
+        view = _View(r, _Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+        assert view.t_hats() == [e[:2] for e in got]
+        assert [view.predict(n).t_hat for n in view.nodes] == [e[0] for e in got]
+
+    check(float(g.random() * 10))
+    # Each node's cached inputs follow every change of its queue, report or model.
+    r._nodes["P1"].queue.add("late", 5_000, 1_000, 10)
+    r._nodes["P2"].queue.remove("bg2.0")
+    r.on_state(NodeState("P3", 9.0, "prefill"))
+    r.set_models([NodeModel(node="P5", c0=0.02, c1=2e-5, c2=3e-10, c3=1e-7, d0=0.01, d1=0.01,
+                            d2=1e-4, k_over_e=1.0, t_fwd=1.0, t_bar=4096.0, f=0.5)])
+    check(float(g.random() * 10))

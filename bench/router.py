@@ -59,7 +59,7 @@ def run(nodes: int, context: int, samples: int) -> tuple[np.ndarray, np.ndarray]
         route = router.route(RouteRequest(rid, f"b{a}", contexts[a], 256), float(s))
         route_t.append(time.perf_counter() - t)
         t = time.perf_counter()
-        router.directory.match(route.path.hashes)
+        router.directory.match(route.path)
         match_t.append(time.perf_counter() - t)
         router.finished(rid)
     return np.array(route_t) * 1e6, np.array(match_t) * 1e6

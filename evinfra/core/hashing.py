@@ -67,13 +67,18 @@ class HashedPath:
     """The full-page path of one token sequence: its tokens, SHA-256 digests and event hashes.
 
     Immutable once built; a branch keeps the last one to hash its next request incrementally.
+
+    ``memo`` is a lookup memo a reader may attach (the directory keeps where each block sat in
+    its tables at the last lookup, checked before use): a path hashed against this one
+    inherits the part of it that covers their shared pages, so the next lookup of the branch
+    redoes only its new pages.
     """
 
-    __slots__ = ("tokens", "digests", "hashes", "page_size", "shared")
+    __slots__ = ("tokens", "digests", "hashes", "page_size", "shared", "memo")
 
     def __init__(
         self, tokens: np.ndarray, digests: list[bytes], hashes: list[BlockHash], page_size: int,
-        shared: int = 0,
+        shared: int = 0, memo: tuple[np.ndarray, ...] | None = None,
     ) -> None:
         self.tokens = tokens
         self.digests = digests
@@ -81,6 +86,8 @@ class HashedPath:
         self.page_size = page_size
         # Leading pages taken over from the base path this one was hashed against.
         self.shared = shared
+        # Arrays with one entry per leading page of the path (at most len(hashes)).
+        self.memo = memo
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -116,7 +123,10 @@ class PathHasher:
         n = arr.size // self.page_size
         keep = self.common_pages(arr, base) if base is not None else 0
         if base is not None and keep == n and keep == len(base):
-            return HashedPath(arr, base.digests, base.hashes, self.page_size, keep)
+            return HashedPath(arr, base.digests, base.hashes, self.page_size, keep, base.memo)
+        memo = None
+        if base is not None and base.memo is not None and keep:
+            memo = tuple(m[:keep] for m in base.memo)
         digests = base.digests[:keep] if base is not None else []
         hashes = base.hashes[:keep] if base is not None else []
         prior = digests[-1] if digests else None
@@ -126,4 +136,4 @@ class PathHasher:
         new = _chain(tail, page_bytes, 0, n - keep, prior)
         digests = digests + new
         hashes = hashes + [digest_to_hash(d) for d in new]
-        return HashedPath(arr, digests, hashes, self.page_size, keep)
+        return HashedPath(arr, digests, hashes, self.page_size, keep, memo)

@@ -15,6 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from evinfra.core.events import KVEvent, KVEventBatch
+from evinfra.core.hashing import HashedPath
 from evinfra.core.types import BlockHash, BranchId, NodeId, Phase
 from evinfra.directory.branches import BranchStep, BranchTable, HintDelta
 from evinfra.directory.eviction import eviction_order
@@ -88,7 +89,7 @@ class Directory:
         """Algorithm E.1 for a request of ``branch`` (plus E.2 lines 5-8 on a rewrite)."""
         return self.branches.step(branch, tokens, parent)
 
-    def match(self, path: Sequence[BlockHash]) -> PrefixMatch:
+    def match(self, path: Sequence[BlockHash] | HashedPath) -> PrefixMatch:
         return self.tree.match(path)
 
     def place(self, branch: BranchId, node: NodeId) -> None:

@@ -2,11 +2,18 @@
 
 A block is keyed by its page-chained hash, so the hash alone names a block *and* its whole
 prefix: the tree needs no child pointers to answer "how long a prefix of this path does node
-n hold". Each block keeps its parent hash and one integer of holder bits: for node ``i``, bit
-``i`` says L2 (host), bit ``S + i`` L1 (GPU) and bit ``2S + i`` either tier, with ``S`` the
-node capacity. Packing the three masks in one int lets a prefix walk test "does every node
-still alive hold this block" with a single AND per block. Each (block, node) pair keeps its
-last store time ``T_b``.
+n hold". Each block has a *slot* in numpy tables: its hash and its holder bits, three per
+node (it holds the block in L2, host; in L1, GPU; in either tier), packed 21 nodes to an
+int64 word. A prefix walk is then a gather of the path's words and a cumulative AND down
+them, whatever the number of nodes. Each (block, node) pair keeps its last store time
+``T_b``.
+
+Why slots: looking a long path up by hash costs a dict probe per block (a cache miss in a
+large directory), which dominated the router's decision. A path remembers the slots its
+blocks had (``HashedPath.memo``, inherited by the branch's next path for the pages they
+share), so a lookup checks the remembered slots against the blocks' hashes, vectorised,
+and probes the dict only for new pages. An event still probes per block (it names blocks by
+hash) and then updates their bits in one vectorised step.
 
 Engines feed the tree with their KV events (SGLang schema). Bad events never raise: unknown
 parents, removals of blocks the node does not hold, duplicate hashes and untracked media are
@@ -18,9 +25,7 @@ When a node stops holding a block in every tier, the block is *lost* on that nod
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from itertools import accumulate, islice, repeat
-from operator import and_, neg
+from itertools import repeat
 from typing import Iterable, Sequence
 
 import msgspec
@@ -28,6 +33,7 @@ import numpy as np
 import structlog
 
 from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from evinfra.core.hashing import HashedPath
 from evinfra.core.types import BlockHash, NodeId, Tier
 
 __all__ = ["PrefixMatch", "PrefixTree", "TreeStats"]
@@ -63,19 +69,26 @@ class PrefixMatch(msgspec.Struct, frozen=True, gc=False):
     own_l1: list[int]
 
 
+_PER_WORD = 21  # nodes per int64 word: bits j (L2), 21 + j (L1) and 42 + j (either tier)
+
+
 class PrefixTree:
-    """Blocks by hash with per-(node, tier) holders; nodes are addressed by a small index."""
+    """Blocks by hash, each in a slot of packed holder bits; nodes by a small index."""
 
     def __init__(self, nodes: Iterable[NodeId], page_size: int) -> None:
         self.page_size = page_size
         self.stats = TreeStats()
-        nodes = list(nodes)
-        # Node capacity of the packed masks (doubles when exceeded): small masks are fast.
-        self._S = 8
-        while self._S < len(nodes):
-            self._S *= 2
-        self._held: dict[BlockHash, int] = {}
-        self._parent: dict[BlockHash, BlockHash | None] = {}
+        self._slot: dict[BlockHash, int] = {}
+        self._free: list[int] = []
+        # Slot 0 is never a block's: what a path's unknown blocks point at (no holders).
+        self._top = 1
+        # Per slot, its block's hash and the holder bits, word-major: ``_words[w][s]`` packs
+        # the three tiers of nodes 21w..21w+20. Numpy arrays, which a lookup gathers along a
+        # path at once; events update them item by item through memoryviews (``_hash``,
+        # ``_bits``), about twice as fast per item as numpy's own indexing.
+        self._hash_np = np.zeros(1024, np.int64)
+        self._words = [np.zeros(1024, np.int64)]
+        self._views()
         self._index: dict[NodeId, int] = {}
         self._names: list[NodeId] = []
         # T_b per (block, node): one dict per node; its keys are exactly the node's blocks.
@@ -88,18 +101,13 @@ class PrefixTree:
     def add_node(self, node: NodeId) -> int:
         if node in self._index:
             return self._index[node]
-        if len(self._names) == self._S:
-            self._repack(2 * self._S)
+        if len(self._names) == _PER_WORD * len(self._words):
+            self._words.append(np.zeros(len(self._hash_np), np.int64))
+            self._views()
         self._index[node] = len(self._names)
         self._names.append(node)
         self._access.append({})
         return self._index[node]
-
-    def _repack(self, S: int) -> None:
-        old, low = self._S, (1 << self._S) - 1
-        for h, m in self._held.items():
-            self._held[h] = (m & low) | (((m >> old) & low) << S) | ((m >> 2 * old) << 2 * S)
-        self._S = S
 
     def node_index(self, node: NodeId) -> int | None:
         return self._index.get(node)
@@ -111,23 +119,44 @@ class PrefixTree:
     def nodes(self) -> list[NodeId]:
         return list(self._names)
 
+    @staticmethod
+    def _bits_of(node: int) -> tuple[int, int, int, int]:
+        """The word of ``node`` and its L2, L1 and either-tier bits there."""
+        w, j = divmod(node, _PER_WORD)
+        return w, 1 << j, 1 << (_PER_WORD + j), 1 << (2 * _PER_WORD + j)
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def _views(self) -> None:
+        self._hash = memoryview(self._hash_np)
+        self._bits = [memoryview(t) for t in self._words]
+
+    def _grow(self) -> None:
+        """Double the slot tables."""
+        pad = np.zeros(len(self._hash_np), np.int64)
+        self._hash_np = np.concatenate([self._hash_np, pad])
+        self._words = [np.concatenate([t, pad]) for t in self._words]
+        self._views()
+
+    def _unused(self, s: int) -> bool:
+        """No node holds the block in slot ``s``."""
+        return not any(t[s] for t in self._bits)
+
     # -- queries -----------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._slot)
 
     def __contains__(self, block: BlockHash) -> bool:
-        return block in self._held
-
-    def parent(self, block: BlockHash) -> BlockHash | None:
-        return self._parent[block]
+        return block in self._slot
 
     def tiers(self, block: BlockHash, node: int) -> set[Tier]:
-        m = self._held.get(block, 0)
+        w, l2, l1, _ = self._bits_of(node)
+        m = self._bits[w][self._slot.get(block, 0)]
         out = set()
-        if m >> (self._S + node) & 1:
+        if m & l1:
             out.add(Tier.L1)
-        if m >> node & 1:
+        if m & l2:
             out.add(Tier.L2)
         return out
 
@@ -136,91 +165,114 @@ class PrefixTree:
 
     def holders(self, block: BlockHash) -> list[int]:
         """Indexes of the nodes holding ``block`` in any tier."""
-        m = self._held.get(block, 0) >> 2 * self._S
-        return [i for i in range(len(self._names)) if m >> i & 1]
+        s = self._slot.get(block, 0)
+        return [i for i in range(len(self._names))
+                if self._bits[i // _PER_WORD][s] >> (2 * _PER_WORD + i % _PER_WORD) & 1]
 
     def blocks_on(self, node: int) -> dict[BlockHash, float]:
         """The node's blocks and their ``T_b`` (read-only view; do not mutate)."""
         return self._access[node]
 
     def host_blocks(self, node: int) -> list[BlockHash]:
-        held = self._held
-        return [h for h in self._access[node] if held[h] >> node & 1]
+        w, l2, _, _ = self._bits_of(node)
+        words, slot = self._bits[w], self._slot
+        return [h for h in self._access[node] if words[slot[h]] & l2]
 
     def host_only_blocks(self, node: int) -> list[BlockHash]:
         """Blocks the node holds in host memory and not in GPU memory."""
-        held, S = self._held, self._S
-        return [h for h in self._access[node]
-                if held[h] >> node & 1 and not held[h] >> (S + node) & 1]
+        w, _, l1, _ = self._bits_of(node)
+        words, slot = self._bits[w], self._slot
+        return [h for h in self._access[node] if not words[slot[h]] & l1]  # held, not L1
 
     def entries(self) -> int:
         """Number of (block, node) entries."""
         return sum(len(a) for a in self._access)
 
-    def match(self, path: Sequence[BlockHash]) -> PrefixMatch:
+    def match(self, path: Sequence[BlockHash] | HashedPath) -> PrefixMatch:
         """Longest prefix of ``path`` per node (any tier, and L1) and across the cluster.
 
-        The holder masks of the path are read with one C-level ``map`` and folded with a
-        cumulative AND (``accumulate``), which is non-increasing; a node's prefix ends where
-        its bit leaves that fold, found by bisection. So the Python-level work is O(nodes
-        × log(path)) on top of two C loops over the path, and only for the nodes that hold
-        the path's first block (the others' prefixes are 0).
+        The path's words are gathered and folded with a cumulative AND down the path, which
+        is non-increasing; a node's prefix ends where its bit leaves the fold, found at the
+        fold's changes (at most two per node). A :class:`HashedPath` brings its slots from
+        its last lookup (or its base path's): they are checked against the blocks' hashes
+        at once, and only blocks that moved, or are new, are looked up by hash.
         """
-        n, S = len(self._names), self._S
-        full = (1 << n) - 1
-        if 3 * S <= 63:
-            return self._match_int64(path, n, S, full)
-        masks = list(map(self._held.get, path, repeat(0)))
-        try:
-            union = masks.index(0)
-        except ValueError:
-            union = len(masks)
-        # Bits 2S.. track "holds it in some tier", bits S.. "holds it in L1".
-        alive = (full << 2 * S) | (full << S)
-        acc = list(accumulate(islice(masks, union), and_, initial=alive))
-        own = [0] * n
-        own_l1 = [0] * n
-        pos, v = 1, acc[1] if union else 0
-        while v:
-            j = bisect_right(acc, -v, lo=pos, key=neg)  # first j with acc[j] < v
-            now = acc[j] if j < len(acc) else 0  # bits alive to the end die at union
-            dead = v & ~now
-            while dead:
-                low = dead & -dead
-                bit = low.bit_length() - 1
-                if bit >= 2 * S:
-                    own[bit - 2 * S] = j - 1
-                else:
-                    own_l1[bit - S] = j - 1
-                dead ^= low
-            pos, v = j, now
-        return PrefixMatch(union, own, own_l1)
-
-    def _match_int64(self, path: Sequence[BlockHash], n: int, S: int, full: int) -> PrefixMatch:
-        """:meth:`match` when the packed masks fit an int64 (up to 16 nodes): the fold and
-        the search for its changes run in numpy (a third faster on a 1,600-block path)."""
-        masks = np.fromiter(map(self._held.get, path, repeat(0)), np.int64, len(path))
-        missing = np.flatnonzero(masks == 0)
-        union = int(missing[0]) if missing.size else len(path)
-        alive = (full << 2 * S) | (full << S)
+        words = self._words
+        slots, union = self._slots(path, words)
+        n = len(self._names)
         own = [0] * n
         own_l1 = [0] * n
         if union:
-            acc = np.bitwise_and.accumulate(masks[:union]) & alive
-            prev = int(acc[0])
-            for j in [*(i + 1 for i in (acc[1:] != acc[:-1]).nonzero()[0].tolist()), union]:
-                now = int(acc[j]) if j < union else 0  # bits alive to the end die at union
-                dead = prev & ~now
-                while dead:
-                    low = dead & -dead
-                    bit = low.bit_length() - 1
-                    if bit >= 2 * S:
-                        own[bit - 2 * S] = j
-                    else:
-                        own_l1[bit - S] = j
-                    dead ^= low
-                prev = now
+            rows = slots[:union]
+            for w, t in enumerate(words):
+                self._prefixes(t[rows], _PER_WORD * w, union, own, own_l1)
         return PrefixMatch(union, own, own_l1)
+
+    def _slots(self, path: Sequence[BlockHash] | HashedPath, words: list[np.ndarray]
+               ) -> tuple[np.ndarray, int]:
+        """The slots of the path's blocks and the number of leading blocks some node holds
+        (the slots past those are not meaningful)."""
+        get = self._slot.get
+        hashes = path.hashes if isinstance(path, HashedPath) else path
+        L = len(hashes)
+        if isinstance(path, HashedPath) and path.memo is not None:
+            slots, known = path.memo
+            if len(slots) < L:
+                slots = np.concatenate([slots, np.zeros(L - len(slots), np.intp)])
+                known = np.concatenate([known, np.array(hashes[len(known):], np.int64)])
+            # A slot is still the block's if it holds that hash and some node holds it (a
+            # freed slot has no holders, whatever hash it kept).
+            try:
+                held = words[0][slots] != 0
+                for t in words[1:]:
+                    held |= t[slots] != 0
+                stale = np.flatnonzero((self._hash_np[slots] != known) | ~held)
+            except IndexError:  # slots of another directory's tables
+                stale = None
+            if stale is not None:
+                path.memo = (slots, known)
+                # Usually a few new pages, the first of them held nowhere yet: look them up
+                # one by one up to that. Many moved blocks are looked up in one go.
+                for i in stale[:16].tolist():
+                    s = get(hashes[i])
+                    if s is None:
+                        return slots, i
+                    slots[i] = s
+                if stale.size <= 16:
+                    return slots, L
+                at = stale[16:]
+                found = np.fromiter(map(get, map(hashes.__getitem__, at.tolist()), repeat(0)),
+                                    np.intp, len(at))
+                slots[at] = found
+                missing = np.flatnonzero(found == 0)
+                return slots, int(at[missing[0]]) if missing.size else L
+        slots = np.fromiter(map(get, hashes, repeat(0)), np.intp, L)
+        if isinstance(path, HashedPath):
+            path.memo = (slots, np.array(hashes, np.int64))
+        missing = np.flatnonzero(slots == 0)
+        return slots, int(missing[0]) if missing.size else L
+
+    @staticmethod
+    def _prefixes(words: np.ndarray, base: int, union: int, own: list[int],
+                  own_l1: list[int]) -> None:
+        """For the nodes of one word (from ``base`` on), the leading path blocks held in
+        either tier (``own``) and in L1 (``own_l1``); ``words`` is that word along the path."""
+        if not words[0]:
+            return
+        acc = np.bitwise_and.accumulate(words)
+        prev = int(acc[0])
+        for j in [*(np.flatnonzero(acc[1:] != acc[:-1]) + 1).tolist(), union]:
+            now = int(acc[j]) if j < union else 0  # bits alive to the end die at union
+            dead = (prev & ~now) >> _PER_WORD  # L2 bits do not matter
+            while dead:
+                low = dead & -dead
+                bit = low.bit_length() - 1
+                if bit >= _PER_WORD:
+                    own[base + bit - _PER_WORD] = j
+                else:
+                    own_l1[base + bit] = j
+                dead ^= low
+            prev = now
 
     # -- KV events ---------------------------------------------------------------------------
 
@@ -248,26 +300,35 @@ class PrefixTree:
             return
         if block_size is not None and block_size != self.page_size:
             self._count("block_size_mismatch", block_size=block_size, page_size=self.page_size)
-        held, parents = self._held, self._parent
+        slot, free, table = self._slot, self._free, self._hash
         access = self._access[node]
-        if parent is not None and parent not in held:
+        if parent is not None and parent not in slot:
             self._count("unknown_parent", node=self._names[node], parent=parent)
         if len(hashes) > 1 and len(set(hashes)) != len(hashes):
             # A chained hash cannot repeat within one path: the event is corrupt. Storing a
             # block twice is idempotent, so apply it and count it.
             self._count("duplicate_hash", node=self._names[node])
-        S = self._S
-        bits = (1 << (2 * S + node)) | (1 << (S + node) if tier is Tier.L1 else 1 << node)
-        prev = parent
+        w, l2, l1, either = self._bits_of(node)
+        bits = either | (l1 if tier is Tier.L1 else l2)
+        words = self._bits[w]
+        get = slot.get
+        top, cap = self._top, len(table)
         for h in hashes:
-            m = held.get(h)
-            if m is None:
-                held[h] = bits
-                parents[h] = prev
-            else:
-                held[h] = m | bits
+            s = get(h)
+            if s is None:
+                if free:
+                    s = free.pop()
+                else:
+                    if top == cap:
+                        self._grow()
+                        table, words, cap = self._hash, self._bits[w], len(self._hash)
+                    s = top
+                    top += 1
+                table[s] = h
+                slot[h] = s
+            words[s] |= bits
             access[h] = now
-            prev = h
+        self._top = top
         self.stats.blocks_stored += len(hashes)
 
     def remove(self, node: int, hashes: Iterable[BlockHash], medium: str | None) -> list[BlockHash]:
@@ -275,46 +336,48 @@ class PrefixTree:
         if tier is None:
             self._count("untracked_medium", medium=medium)
             return []
-        held, parents = self._held, self._parent
+        w, l2, l1, either = self._bits_of(node)
+        bit, other = (l1, l2) if tier is Tier.L1 else (l2, l1)
+        slot, free = self._slot, self._free
+        words, get = self._bits[w], slot.get
+        single = len(self._bits) == 1
         access = self._access[node]
-        S = self._S
-        bit = 1 << (S + node) if tier is Tier.L1 else 1 << node
-        other = 1 << node if tier is Tier.L1 else 1 << (S + node)
-        anybit = 1 << (2 * S + node)
         lost: list[BlockHash] = []
         removed = 0
         for h in hashes:
-            m = held.get(h, 0)
+            s = get(h, 0)
+            m = words[s]
             if not m & bit:
                 self._count("unknown_removal", node=self._names[node], block=h)
                 continue
             removed += 1
             if m & other:
-                held[h] = m & ~bit
+                words[s] = m & ~bit
                 continue
-            m &= ~(bit | anybit)
+            m &= ~(bit | either)
+            words[s] = m
             del access[h]
             lost.append(h)
-            if m:
-                held[h] = m
-            else:
-                del held[h]
-                del parents[h]
+            if not m and (single or self._unused(s)):
+                del slot[h]
+                free.append(s)
         self.stats.blocks_removed += removed
         return lost
 
     def clear(self, node: int) -> list[BlockHash]:
         """The node dropped everything (``AllBlocksCleared``, a crash, a relaunch)."""
-        held, parents, S = self._held, self._parent, self._S
-        keep = ~((1 << node) | (1 << (S + node)) | (1 << (2 * S + node)))
+        w, l2, l1, either = self._bits_of(node)
+        keep = ~(l2 | l1 | either)
+        words, slot, free = self._bits[w], self._slot, self._free
+        single = len(self._bits) == 1
         lost = list(self._access[node])
         for h in lost:
-            m = held[h] & keep
-            if m:
-                held[h] = m
-            else:
-                del held[h]
-                del parents[h]
+            s = slot[h]
+            m = words[s] & keep
+            words[s] = m
+            if not m and (single or self._unused(s)):
+                del slot[h]
+                free.append(s)
         self._access[node] = {}
         self.stats.clears += 1
         return lost
@@ -322,18 +385,28 @@ class PrefixTree:
     # -- checks ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Assert the packed masks and the per-node ``T_b`` tables agree (for tests)."""
-        S = self._S
-        assert self._held.keys() == self._parent.keys()
-        for h, m in self._held.items():
-            assert m, f"block {h} held by no node"
+        """Assert the holder bits, the slots and the per-node ``T_b`` tables agree (tests)."""
+        live = set(self._slot.values())
+        assert 0 not in live, "slot 0 is reserved"
+        assert len(live) == len(self._slot), "two blocks share a slot"
+        assert live.isdisjoint(self._free) and len(set(self._free)) == len(self._free)
+        assert len(live) + len(self._free) == self._top - 1, "a slot leaked"
+        assert all(len(t) == len(self._hash) for t in self._bits)
+        assert all(t.obj is a for t, a in zip(self._bits, self._words))
+        assert self._hash.obj is self._hash_np
+        for s in [0, *self._free]:
+            assert not any(t[s] for t in self._bits), f"free slot {s} has holders"
+        for h, s in self._slot.items():
+            assert self._hash[s] == h, f"slot {s} of {h} holds {self._hash[s]}"
+            assert any(t[s] for t in self._bits), f"block {h} held by no node"
             for idx in range(len(self._names)):
-                l2, l1, any_ = m >> idx & 1, m >> (S + idx) & 1, m >> (2 * S + idx) & 1
-                assert any_ == (l1 | l2), f"{h} on {idx}: any-tier bit disagrees"
-                assert bool(any_) == (h in self._access[idx]), f"{h} on {idx}: T_b disagrees"
+                w, l2, l1, either = self._bits_of(idx)
+                m = self._bits[w][s]
+                assert bool(m & either) == bool(m & (l1 | l2)), f"{h} on {idx}: tier bits"
+                assert bool(m & either) == (h in self._access[idx]), f"{h} on {idx}: T_b"
         for idx, access in enumerate(self._access):
             for h in access:
-                assert h in self._held, f"{h} on {idx} not in index"
+                assert h in self._slot, f"{h} on {idx} not in index"
 
     def _count(self, what: str, **fields: object) -> None:
         value = getattr(self.stats, what) + 1

@@ -327,7 +327,7 @@ class Router:
                         reason="no healthy prefill node")
             return Refusal(req.request, "prefill", "no healthy prefill node outside a switch")
         self._reqs[r.id] = r
-        match = self.directory.match(r.path.hashes)
+        match = self.directory.match(r.path)
         view = _View(self, r, nodes, match, now)
         best = self.prefill.choose(view)
         if isinstance(best, Hold):

@@ -83,7 +83,7 @@ def test_evict_host_prefers_zero_counts_then_lru_and_never_pinned(d: Directory) 
     assert d.branches.counted("x", 0) == set()
 
 
-def test_many_nodes_repack_the_masks() -> None:
+def test_many_nodes_take_more_words_of_holder_bits() -> None:
     d = Directory({f"n{i}": Phase.PREFILL for i in range(8)}, page_size=4)
     d.apply("n7", stored([1, 2]), 0.0)
     for i in range(8, 70):
@@ -92,3 +92,45 @@ def test_many_nodes_repack_the_masks() -> None:
     m = d.match([1, 2])
     assert m.own[7] == 2 and m.own[69] == 1 and m.union == 2
     d.check_invariants()
+
+
+@pytest.mark.parametrize("nodes", [3, 30])
+def test_a_path_remembers_its_slots_and_checks_them(nodes: int) -> None:
+    """A branch's path is looked up through the slots it (or its base path) remembered,
+    which go stale when blocks leave every node and their slots are reused by others: the
+    lookup must equal a fresh one by hash, after each kind of change."""
+    import numpy as np
+
+    rng = np.random.default_rng(nodes)
+    names = [f"n{i}" for i in range(nodes)]
+    d = Directory({n: Phase.PREFILL for n in names}, page_size=4)
+    tokens = rng.integers(0, 1000, size=400).tolist()
+    path = d.step("x", tokens).path
+    hashes = path.hashes
+    d.apply(names[-1], stored(hashes[:80], "CPU_PINNED"), 0.0)
+    d.apply(names[0], stored(hashes[:50]), 0.0)
+
+    def agree(p) -> None:
+        assert d.match(p) == d.match(list(p.hashes))
+        d.check_invariants()
+
+    agree(path)
+    assert path.memo is not None
+    # Everything leaves, other blocks take the freed slots, the path's blocks come back in
+    # other slots: more than a few stale at once.
+    d.apply(names[-1], BlockRemoved(hashes[:80], medium="CPU_PINNED"), 1.0)
+    d.apply(names[0], BlockRemoved(hashes[:50], medium="GPU"), 1.0)
+    d.apply(names[1], stored(list(range(10_000, 10_090))), 2.0)
+    d.apply(names[1], stored(hashes[:60]), 3.0)
+    agree(path)
+    # The next request inherits the shared slots; a few new pages are looked up.
+    nxt = d.step("x", tokens + rng.integers(0, 1000, size=40).tolist()).path
+    assert nxt.memo is not None and len(nxt.memo[0]) == len(hashes)
+    d.apply(names[-1], stored(nxt.hashes), 4.0)
+    agree(nxt)
+    # One block in the middle moves to a new slot: the prefix ends nowhere early.
+    d.apply(names[1], BlockRemoved(hashes[30:31], medium="GPU"), 5.0)
+    d.apply(names[-1], BlockRemoved(hashes[30:31], medium="CPU_PINNED"), 5.0)
+    d.apply(names[0], stored(list(range(20_000, 20_005))), 6.0)
+    d.apply(names[0], stored(hashes[30:31]), 6.0)
+    agree(nxt)

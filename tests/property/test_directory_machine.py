@@ -282,6 +282,9 @@ class DirectoryMachine(RuleBasedStateMachine):
                 idx = self.real.index(n)
                 assert m.own[idx] == self.ref.own_prefix(n, path)
                 assert m.own_l1[idx] == self.ref.own_prefix(n, path, Tier.L1)
+            # The branch's path itself, through the slots it remembers from its last lookup
+            # (or its base path's), whatever was stored, lost or reused since.
+            assert self.real.match(self.real.branches.path(beta)) == m
 
 
 def test_directory_agrees_with_reference() -> None:
@@ -315,9 +318,9 @@ def test_the_machine_catches_a_directory_that_ignores_evictions() -> None:
 
 
 class _WideDirectory(Directory):
-    """With 70 nodes the packed masks outgrow an int64 (and a 64-bit word), so ``match`` takes
-    its general path; the 66 extra nodes come first (so the machine's nodes have indexes past
-    64) and stay idle."""
+    """With 70 nodes the holder bits span four words (21 nodes each), so ``match`` folds
+    several; the 66 extra nodes come first (so the machine's nodes sit in the last word) and
+    stay idle."""
 
     def __init__(self, nodes, page_size):
         super().__init__({**{f"idle{i}": Phase.DECODE for i in range(66)}, **nodes}, page_size)

@@ -409,8 +409,8 @@ class Router:
                     t_rem = 0.0
             w_hat = t_rem + w0 + w1 + w2 + w3
             Ut = U + t_uc
-            done = (t_rem + c0 * -(-Ut // B) + c1 * Ut + c2 * (SA + t_uc * t_c + t_uc * (t_uc + 1) // 2)
-                    + c3 * (SR + t_rst))
+            A = t_uc * t_c + t_uc * (t_uc + 1) // 2
+            done = t_rem + c0 * -(-Ut // B) + c1 * Ut + c2 * (SA + A) + c3 * (SR + t_rst)
             if x >= fmin and x > 0:
                 gap = fbase + fper * x - w_hat
                 if gap > 0.0:

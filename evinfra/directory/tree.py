@@ -216,10 +216,12 @@ class PrefixTree:
         hashes = path.hashes if isinstance(path, HashedPath) else path
         L = len(hashes)
         if isinstance(path, HashedPath) and path.memo is not None:
+            # ``known[i]`` is the hash slot ``slots[i]`` had when it was found; new pages
+            # start at slot 0, which no node holds.
             slots, known = path.memo
             if len(slots) < L:
                 slots = np.concatenate([slots, np.zeros(L - len(slots), np.intp)])
-                known = np.concatenate([known, np.array(hashes[len(known):], np.int64)])
+                known = np.concatenate([known, np.zeros(L - len(known), np.int64)])
             # A slot is still the block's if it holds that hash and some node holds it (a
             # freed slot has no holders, whatever hash it kept).
             try:
@@ -234,21 +236,23 @@ class PrefixTree:
                 # Usually a few new pages, the first of them held nowhere yet: look them up
                 # one by one up to that. Many moved blocks are looked up in one go.
                 for i in stale[:16].tolist():
-                    s = get(hashes[i])
+                    h = hashes[i]
+                    s = get(h)
                     if s is None:
                         return slots, i
-                    slots[i] = s
+                    slots[i], known[i] = s, h
                 if stale.size <= 16:
                     return slots, L
                 at = stale[16:]
                 found = np.fromiter(map(get, map(hashes.__getitem__, at.tolist()), repeat(0)),
                                     np.intp, len(at))
                 slots[at] = found
+                known[at] = self._hash_np[found]
                 missing = np.flatnonzero(found == 0)
                 return slots, int(at[missing[0]]) if missing.size else L
         slots = np.fromiter(map(get, hashes, repeat(0)), np.intp, L)
         if isinstance(path, HashedPath):
-            path.memo = (slots, np.array(hashes, np.int64))
+            path.memo = (slots, self._hash_np[slots])
         missing = np.flatnonzero(slots == 0)
         return slots, int(missing[0]) if missing.size else L
 

@@ -12,8 +12,8 @@ Why slots: looking a long path up by hash costs a dict probe per block (a cache 
 large directory), which dominated the router's decision. A path remembers the slots its
 blocks had (``HashedPath.memo``, inherited by the branch's next path for the pages they
 share), so a lookup checks the remembered slots against the blocks' hashes, vectorised,
-and probes the dict only for new pages. An event still probes per block (it names blocks by
-hash) and then updates their bits in one vectorised step.
+and probes the dict only for new pages. An event still probes the dict per block (it names
+blocks by hash) and sets their bits one by one.
 
 Engines feed the tree with their KV events (SGLang schema). Bad events never raise: unknown
 parents, removals of blocks the node does not hold, duplicate hashes and untracked media are

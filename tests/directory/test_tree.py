@@ -134,3 +134,15 @@ def test_a_path_remembers_its_slots_and_checks_them(nodes: int) -> None:
     d.apply(names[0], stored(list(range(20_000, 20_005))), 6.0)
     d.apply(names[0], stored(hashes[30:31]), 6.0)
     agree(nxt)
+
+
+def test_slots_remembered_by_another_directory_are_ignored() -> None:
+    big = Directory({"a": Phase.PREFILL}, page_size=4)
+    big.apply("a", stored(list(range(1, 3000))), 0.0)  # its tables grow past 3,000 slots
+    path = big.step("x", list(range(4 * 40))).path
+    big.apply("a", stored(path.hashes), 0.0)
+    assert big.match(path).union == 40 and max(path.memo[0]) > 3000
+    small = Directory({"a": Phase.PREFILL, "b": Phase.PREFILL}, page_size=4)
+    small.apply("b", stored(path.hashes[:7]), 0.0)
+    assert small.match(path) == small.match(list(path.hashes))
+    assert small.match(path).own == [0, 7]

@@ -198,7 +198,7 @@ def test_a_failing_target_never_stops_the_run_and_every_error_is_counted(tmp_pat
     out = tmp_path / "faulty"
     with FaultyTarget() as target:
         done = replay("--target", target.url, "--workload", "cc", "--agents", "4",
-                      "--duration", "60", "--speedup", "30", "--timeout", "1",
+                      "--duration", "60", "--speedup", "30", "--timeout", "3",
                       "--out", str(out), "--no-progress")
         kinds = collections.Counter(target.kinds)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -216,7 +216,7 @@ def test_a_failing_target_never_stops_the_run_and_every_error_is_counted(tmp_pat
                       "stream error": kinds["error_chunk"], "timeout": kinds["hang"]}
     messages = {r["error"] for r in lines}
     assert {"HTTP 500: internal", "HTTP 502: Bad Gateway", "stream error: decode failed",
-            "timeout after 1 s"} <= messages
+            "timeout after 3 s"} <= messages
 
 
 # ---- bad targets and arguments -------------------------------------------------------------

@@ -10,12 +10,17 @@ rewrite trims every ``C[β, m]`` to the prefix it shares with the new path (E.2 
 of that prefix the node evicted (E.2 line 20). An appended request then costs O(new blocks),
 a release O(k), and nothing ever walks the whole context to diff two sets.
 
-Eviction hints: every time ``R[b, n]`` crosses zero the table records it, so a driver can
-push to node ``n`` just the blocks whose count became positive or zero since the last push.
+Eviction hints: every time ``R[b, n]`` may have crossed zero the table notes the block, and
+at the next push it compares the noted blocks' counts with what node ``n`` was last told, so
+a driver pushes just the blocks whose count became positive or zero since then. Comparing at
+the push, not at each count, keeps a route's counting in C loops: a request counts its whole
+context on a node it is new to.
 """
 
 from __future__ import annotations
 
+from collections import _count_elements  # type: ignore[attr-defined]  # Counter's C loop
+from itertools import filterfalse
 from typing import Iterable, Sequence
 
 import msgspec
@@ -96,9 +101,11 @@ class BranchTable:
         self._R: list[dict[BlockHash, int]] = []
         self._on: list[set[BranchId]] = []
         self._phase: list[Phase] = []
-        self._became_pos: list[set[BlockHash]] = []
-        self._became_zero: list[set[BlockHash]] = []
-        self._hinted: set[int] = set()  # nodes whose hint sets may be non-empty
+        # Per node, blocks whose count may have crossed zero since the last hint, and the
+        # blocks the last hint left positive (the keys ``R[·, n]`` had then).
+        self._touched: list[list[BlockHash]] = []
+        self._told: list[set[BlockHash]] = []
+        self._hinted: set[int] = set()  # nodes with touched blocks
         for p in phases:
             self.add_node(p)
 
@@ -108,8 +115,8 @@ class BranchTable:
         self._R.append({})
         self._on.append(set())
         self._phase.append(phase)
-        self._became_pos.append(set())
-        self._became_zero.append(set())
+        self._touched.append([])
+        self._told.append(set())
         return len(self._R) - 1
 
     def phase(self, node: int) -> Phase:
@@ -293,9 +300,20 @@ class BranchTable:
 
     def take_hints(self, node: int) -> HintDelta:
         """Blocks whose count on ``node`` crossed zero since the last call."""
-        pos, zero = self._became_pos[node], self._became_zero[node]
-        self._became_pos[node], self._became_zero[node] = set(), set()
+        touched = self._touched[node]
+        self._touched[node] = []
         self._hinted.discard(node)
+        R, told = self._R[node], self._told[node]
+        pos: list[BlockHash] = []
+        zero: list[BlockHash] = []
+        for h in set(touched):
+            if h in R:
+                if h not in told:
+                    told.add(h)
+                    pos.append(h)
+            elif h in told:
+                told.discard(h)
+                zero.append(h)
         return HintDelta(sorted(pos), sorted(zero))
 
     def hinted_nodes(self) -> list[int]:
@@ -310,51 +328,35 @@ class BranchTable:
             raise UnknownBranchError(branch)
         return b
 
-    # A path's blocks are counted in loops without a call per block: a request counts its
-    # whole context on a node it is new to.
-
-    def _inc_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
-        """``R[b, n] += 1`` for each block; a count that leaves zero is hinted."""
-        R, zero, pos = self._R[node], self._became_zero[node], self._became_pos[node]
-        get = R.get
-        crossed = False
-        for h in hashes:
-            r = get(h, 0)
-            R[h] = r + 1
-            if not r:
-                crossed = True
-                if h in zero:
-                    zero.discard(h)
-                else:
-                    pos.add(h)
-        if crossed:
+    def _inc_all(self, node: int, hashes: list[BlockHash] | dict[BlockHash, int]) -> None:
+        """``R[b, n] += 1`` for each block, in C loops; the blocks that were at zero are
+        noted for the next hint."""
+        R = self._R[node]
+        fresh = list(filterfalse(R.__contains__, hashes))
+        _count_elements(R, hashes)
+        if fresh:
+            self._touched[node].extend(fresh)
             self._hinted.add(node)
 
     def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
         """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is
-        hinted."""
-        R, zero, pos = self._R[node], self._became_zero[node], self._became_pos[node]
-        crossed = False
+        noted for the next hint."""
+        R = self._R[node]
+        crossed = []
         for h in hashes:
             r = R[h]
             if r == 1:
-                crossed = True
                 del R[h]
-                if h in pos:
-                    pos.discard(h)
-                else:
-                    zero.add(h)
+                crossed.append(h)
             else:
                 R[h] = r - 1
         if crossed:
+            self._touched[node].extend(crossed)
             self._hinted.add(node)
 
     def _set_zero(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
         del R[h]
-        if h in self._became_pos[node]:
-            self._became_pos[node].discard(h)
-        else:
-            self._became_zero[node].add(h)
+        self._touched[node].append(h)
         self._hinted.add(node)
 
     def _trim(self, b: _Branch, node: int, keep: int) -> None:

@@ -41,6 +41,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.settled: set[tuple[str, Phase]] = set()
         self.now = 0.0
         self.next_id = 0
+        # What each node's engine believes positive, from the hints it was pushed.
+        self.engine_positive: dict[str, set[int]] = {n: set() for n in NODES}
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -250,6 +252,19 @@ class DirectoryMachine(RuleBasedStateMachine):
                 assert r > 0, "non-positive count stored"
                 got[b, n] = r
         assert got == want
+
+    @invariant()
+    def hints_track_the_counts(self) -> None:
+        """Pushing every waiting hint leaves each engine knowing exactly the positive-count
+        blocks, and a hint never repeats what the engine knows."""
+        for n, delta in self.real.take_all_hints():
+            seen = self.engine_positive[n]
+            assert not seen & set(delta.positive), "a block hinted positive twice"
+            assert set(delta.zero) <= seen, "a block hinted zero that was not positive"
+            seen |= set(delta.positive)
+            seen -= set(delta.zero)
+        for n in NODES:
+            assert self.engine_positive[n] == set(self.real.positive_blocks(n)), n
 
     @invariant()
     def branches_agree(self) -> None:

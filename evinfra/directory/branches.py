@@ -335,8 +335,7 @@ class BranchTable:
         fresh = list(filterfalse(R.__contains__, hashes))
         _count_elements(R, hashes)
         if fresh:
-            self._touched[node].extend(fresh)
-            self._hinted.add(node)
+            self._note(node, fresh)
 
     def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
         """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is
@@ -351,13 +350,22 @@ class BranchTable:
             else:
                 R[h] = r - 1
         if crossed:
-            self._touched[node].extend(crossed)
-            self._hinted.add(node)
+            self._note(node, crossed)
 
     def _set_zero(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
         del R[h]
-        self._touched[node].append(h)
+        self._note(node, (h,))
+
+    def _note(self, node: int, blocks: Iterable[BlockHash]) -> None:
+        """Note blocks whose count may have crossed zero. If nobody takes the hints (a
+        directory without engines), the notes are cut down to the blocks whose state
+        differs from the last hint, so they stay bounded by the counts and that hint."""
+        touched = self._touched[node]
+        touched.extend(blocks)
         self._hinted.add(node)
+        R, told = self._R[node], self._told[node]
+        if len(touched) > 2 * (len(R) + len(told)) + 4096:
+            self._touched[node] = [h for h in set(touched) if (h in R) != (h in told)]
 
     def _trim(self, b: _Branch, node: int, keep: int) -> None:
         """``Count(β, n, C[β, n] ∩ π_new)`` where ``π_new`` shares ``keep`` leading blocks."""

@@ -146,3 +146,15 @@ def test_slots_remembered_by_another_directory_are_ignored() -> None:
     small.apply("b", stored(path.hashes[:7]), 0.0)
     assert small.match(path) == small.match(list(path.hashes))
     assert small.match(path).own == [0, 7]
+
+
+def test_hint_notes_stay_bounded_when_nobody_takes_them(d: Directory) -> None:
+    kept = d.step("y", list(range(100, 120))).path.hashes
+    d.place("y", "a")  # a hint waiting to be taken: it must survive the cut
+    path = d.step("x", list(range(40))).path.hashes
+    for _ in range(2000):  # the same ten blocks cross zero up and down, never hinted
+        d.place("x", "a")
+        d.end("x")
+        d.step("x", list(range(40)))
+    assert len(d.branches._touched[0]) <= 4096 + 2 * (len(path) + len(kept))
+    assert d.take_hints("a").positive == sorted(kept)

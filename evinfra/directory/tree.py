@@ -197,64 +197,70 @@ class PrefixTree:
         its last lookup (or its base path's): they are checked against the blocks' hashes
         at once, and only blocks that moved, or are new, are looked up by hash.
         """
-        words = self._words
-        slots, union = self._slots(path, words)
+        slots, union = self._slots(path)
         n = len(self._names)
         own = [0] * n
         own_l1 = [0] * n
         if union:
             rows = slots[:union]
-            for w, t in enumerate(words):
+            for w, t in enumerate(self._words):
                 self._prefixes(t[rows], _PER_WORD * w, union, own, own_l1)
         return PrefixMatch(union, own, own_l1)
 
-    def _slots(self, path: Sequence[BlockHash] | HashedPath, words: list[np.ndarray]
-               ) -> tuple[np.ndarray, int]:
+    def _slots(self, path: Sequence[BlockHash] | HashedPath) -> tuple[np.ndarray, int]:
         """The slots of the path's blocks and the number of leading blocks some node holds
         (the slots past those are not meaningful)."""
-        get = self._slot.get
-        hashes = path.hashes if isinstance(path, HashedPath) else path
-        L = len(hashes)
-        if isinstance(path, HashedPath) and path.memo is not None:
-            # ``known[i]`` is the hash slot ``slots[i]`` had when it was found; new pages
-            # start at slot 0, which no node holds.
-            slots, known = path.memo
-            if len(slots) < L:
-                slots = np.concatenate([slots, np.zeros(L - len(slots), np.intp)])
-                known = np.concatenate([known, np.zeros(L - len(known), np.int64)])
-            # A slot is still the block's if it holds that hash and some node holds it (a
-            # freed slot has no holders, whatever hash it kept).
-            try:
-                held = words[0][slots] != 0
-                for t in words[1:]:
-                    held |= t[slots] != 0
-                stale = np.flatnonzero((self._hash_np[slots] != known) | ~held)
-            except IndexError:  # slots of another directory's tables
-                stale = None
-            if stale is not None:
-                path.memo = (slots, known)
-                # Usually a few new pages, the first of them held nowhere yet: look them up
-                # one by one up to that. Many moved blocks are looked up in one go.
-                for i in stale[:16].tolist():
-                    h = hashes[i]
-                    s = get(h)
-                    if s is None:
-                        return slots, i
-                    slots[i], known[i] = s, h
-                if stale.size <= 16:
-                    return slots, L
-                at = stale[16:]
-                found = np.fromiter(map(get, map(hashes.__getitem__, at.tolist()), repeat(0)),
-                                    np.intp, len(at))
-                slots[at] = found
-                known[at] = self._hash_np[found]
-                missing = np.flatnonzero(found == 0)
-                return slots, int(at[missing[0]]) if missing.size else L
-        slots = np.fromiter(map(get, hashes, repeat(0)), np.intp, L)
-        if isinstance(path, HashedPath):
-            path.memo = (slots, self._hash_np[slots])
+        if not isinstance(path, HashedPath):
+            return self._lookup(path)
+        if path.memo is not None:
+            got = self._recheck(path)
+            if got is not None:
+                return got
+        slots, union = self._lookup(path.hashes)
+        path.memo = (slots, self._hash_np[slots])
+        return slots, union
+
+    def _lookup(self, hashes: Sequence[BlockHash]) -> tuple[np.ndarray, int]:
+        """:meth:`_slots` by hash, a dict probe per block (0: held nowhere)."""
+        slots = np.fromiter(map(self._slot.get, hashes, repeat(0)), np.intp, len(hashes))
         missing = np.flatnonzero(slots == 0)
-        return slots, int(missing[0]) if missing.size else L
+        return slots, int(missing[0]) if missing.size else len(hashes)
+
+    def _recheck(self, path: HashedPath) -> tuple[np.ndarray, int] | None:
+        """:meth:`_slots` from the path's memo: ``known[i]`` is the hash slot ``slots[i]``
+        had when it was found (new pages start at slot 0, which no node holds). A slot is
+        still the block's if it holds that hash and some node holds it (a freed slot has no
+        holders, whatever hash it kept). None if the memo is another directory's."""
+        hashes = path.hashes
+        L = len(hashes)
+        slots, known = path.memo
+        if len(slots) < L:
+            slots = np.concatenate([slots, np.zeros(L - len(slots), np.intp)])
+            known = np.concatenate([known, np.zeros(L - len(known), np.int64)])
+        try:
+            held = self._words[0][slots] != 0
+            for t in self._words[1:]:
+                held |= t[slots] != 0
+            stale = np.flatnonzero((self._hash_np[slots] != known) | ~held)
+        except IndexError:  # slots past this directory's tables
+            return None
+        path.memo = (slots, known)
+        # Usually a few new pages, the first of them held nowhere yet: look them up one by
+        # one up to that. Many moved blocks are looked up in one go.
+        get = self._slot.get
+        for i in stale[:16].tolist():
+            h = hashes[i]
+            s = get(h)
+            if s is None:
+                return slots, i
+            slots[i], known[i] = s, h
+        if stale.size <= 16:
+            return slots, L
+        at = stale[16:]
+        found, union = self._lookup([hashes[i] for i in at.tolist()])
+        slots[at] = found
+        known[at] = self._hash_np[found]
+        return slots, int(at[union]) if union < len(at) else L
 
     @staticmethod
     def _prefixes(words: np.ndarray, base: int, union: int, own: list[int],

@@ -181,8 +181,8 @@ class _View:
     """A :class:`~evinfra.router.strategy.RouteView` of one request; predictions are
     computed once per node and kept, so a strategy may ask freely."""
 
-    __slots__ = ("_router", "_r", "request", "branch", "path", "t_in", "need", "final", "nodes",
-                 "match", "now", "_pred", "_est", "_full")
+    __slots__ = ("_router", "_r", "_nodes", "request", "branch", "path", "t_in", "need",
+                 "final", "nodes", "match", "now", "_pred", "_est", "_full")
 
     def __init__(self, router: "Router", r: _Req, nodes: list[_Node], match: PrefixMatch,
                  now: float) -> None:
@@ -190,18 +190,21 @@ class _View:
         self._r = r
         self.request, self.branch, self.path = r.id, r.branch, r.path
         self.t_in, self.need, self.final = r.t_in, r.need, r.final
+        self._nodes = nodes
         self.nodes = [n.name for n in nodes]
         self.match = match
         self.now = now
         self._pred: dict[NodeId, Prediction] = {}
-        self._est: dict[NodeId, tuple[float, int, float, int, int, int, int]] = {}
+        # t_hats' rows, one per node of ``nodes``: the chosen node's Prediction reuses its.
+        self._est: list[tuple[float, int, float, int, int, int, int]] | None = None
         self._full: dict[NodeId, Prediction] = {}
 
     def predict(self, node: NodeId) -> Prediction:
         p = self._pred.get(node)
         if p is None:
-            e = self._est.get(node)
-            if e is None:
+            if self._est is not None and node in self.nodes:
+                e = self._est[self.nodes.index(node)]
+            else:
                 e = self._router._estimates(self._r, [self._router._nodes[node]], self.match,
                                             self.now)[0]
             t_hat, own, w_hat, t_uc, t_c, t_rst, x = e
@@ -209,11 +212,8 @@ class _View:
         return p
 
     def t_hats(self) -> list[tuple[float, int]]:
-        router = self._router
-        est = router._estimates(self._r, [router._nodes[n] for n in self.nodes], self.match,
-                                self.now)
-        self._est = dict(zip(self.nodes, est))  # the chosen node's Prediction reuses its row
-        return [e[:2] for e in est]
+        self._est = self._router._estimates(self._r, self._nodes, self.match, self.now)
+        return [e[:2] for e in self._est]
 
     def predict_full_input(self, node: NodeId) -> Prediction:
         p = self._full.get(node)

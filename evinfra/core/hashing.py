@@ -63,10 +63,15 @@ def block_hashes(
     return [digest_to_hash(d) for d in digests]
 
 
+_DIGEST = 32  # bytes of a SHA-256 digest
+
+
 class HashedPath:
     """The full-page path of one token sequence: its tokens, SHA-256 digests and event hashes.
 
     Immutable once built; a branch keeps the last one to hash its next request incrementally.
+    The digests are one ``bytes`` (32 per page): the next path copies the shared ones as
+    one memcpy, where a list would cost a reference count write per page.
 
     ``memo`` is a lookup memo a reader may attach (the directory keeps where each block sat in
     its tables at the last lookup, checked before use): a path hashed against this one
@@ -77,7 +82,7 @@ class HashedPath:
     __slots__ = ("tokens", "digests", "hashes", "page_size", "shared", "memo")
 
     def __init__(
-        self, tokens: np.ndarray, digests: list[bytes], hashes: list[BlockHash], page_size: int,
+        self, tokens: np.ndarray, digests: bytes, hashes: list[BlockHash], page_size: int,
         shared: int = 0, memo: tuple[np.ndarray, ...] | None = None,
     ) -> None:
         self.tokens = tokens
@@ -91,6 +96,10 @@ class HashedPath:
 
     def __len__(self) -> int:
         return len(self.hashes)
+
+    def digest(self, page: int) -> bytes:
+        """The SHA-256 digest of page ``page`` (chained over the pages before it)."""
+        return self.digests[page * _DIGEST : (page + 1) * _DIGEST]
 
     @property
     def num_tokens(self) -> int:
@@ -127,13 +136,17 @@ class PathHasher:
         memo = None
         if base is not None and base.memo is not None and keep:
             memo = tuple(m[:keep] for m in base.memo)
-        digests = base.digests[:keep] if base is not None else []
-        hashes = base.hashes[:keep] if base is not None else []
-        prior = digests[-1] if digests else None
-        page_bytes = self.page_size * 4
+        prior = base.digest(keep - 1) if base is not None and keep else None
         # Only the new pages are converted to bytes and hashed.
         tail = arr[keep * self.page_size : n * self.page_size].tobytes()
-        new = _chain(tail, page_bytes, 0, n - keep, prior)
-        digests = digests + new
-        hashes = hashes + [digest_to_hash(d) for d in new]
+        new = _chain(tail, self.page_size * 4, 0, n - keep, prior)
+        new_hashes = [digest_to_hash(d) for d in new]
+        if base is not None and keep:
+            # The shared part is copied once (slicing a list and concatenating the slice
+            # writes each page's reference count twice).
+            digests = base.digests[: keep * _DIGEST] + b"".join(new)
+            hashes = base.hashes[:keep]
+            hashes += new_hashes
+        else:
+            digests, hashes = b"".join(new), new_hashes
         return HashedPath(arr, digests, hashes, self.page_size, keep, memo)

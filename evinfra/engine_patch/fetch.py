@@ -135,7 +135,7 @@ class Fetcher:
         segs: list[Segment] = []
         if plan is not None:
             path = self.hasher.hash(tokens)
-            job.digests = [d.hex() for d in path.digests]
+            job.digests = [path.digest(i).hex() for i in range(len(path))]
             segs, why = segments(plan, path.hashes, local, P)
             job.planned_pages = sum(r.end - r.start for r in segs)
             if why:

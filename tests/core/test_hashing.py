@@ -68,6 +68,22 @@ def test_rewritten_context_reuses_only_the_common_prefix() -> None:
     assert h.hash([5, 6, 7, 9] + P2, base).shared == 0
 
 
+def test_a_path_keeps_every_page_digest_through_extensions_and_rewrites() -> None:
+    h = PathHasher(4)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50_000, size=4 * 40, dtype=np.uint32)
+    path = h.hash(tokens[:4 * 10])
+    for cut, grow in ((10, 7), (17, 0), (12, 9), (0, 5)):  # extend, same, rewrite, from scratch
+        tokens[4 * cut:] = rng.integers(0, 50_000, size=tokens.size - 4 * cut, dtype=np.uint32)
+        ctx = tokens[:4 * (max(cut, len(path)) + grow)].copy()
+        path = h.hash(ctx, path)
+        prior = b""
+        for i in range(len(path)):
+            prior = hashlib.sha256(prior + ctx[4 * i:4 * i + 4].tobytes()).digest()
+            assert path.digest(i) == prior
+        assert path.hashes == block_hashes(ctx, 4)
+
+
 def test_token_ids_must_fit_uint32() -> None:
     with pytest.raises(ValueError):
         block_hashes([-1, 2, 3, 4], 4)

@@ -20,7 +20,6 @@ context on a node it is new to.
 from __future__ import annotations
 
 from collections import _count_elements  # type: ignore[attr-defined]  # Counter's C loop
-from itertools import filterfalse
 from typing import Iterable, Sequence
 
 import msgspec
@@ -329,13 +328,14 @@ class BranchTable:
         return b
 
     def _inc_all(self, node: int, hashes: list[BlockHash] | dict[BlockHash, int]) -> None:
-        """``R[b, n] += 1`` for each block, in C loops; the blocks that were at zero are
-        noted for the next hint."""
+        """``R[b, n] += 1`` for each block, in one C loop. If any block was at zero, all are
+        noted for the next hint: usually all were (a path counted on a node new to it), and
+        the hint drops noted blocks whose state did not change."""
         R = self._R[node]
-        fresh = list(filterfalse(R.__contains__, hashes))
+        before = len(R)
         _count_elements(R, hashes)
-        if fresh:
-            self._note(node, fresh)
+        if len(R) != before:
+            self._note(node, hashes)
 
     def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
         """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is

@@ -195,25 +195,32 @@ class _View:
         self.match = match
         self.now = now
         self._pred: dict[NodeId, Prediction] = {}
-        # t_hats' rows, one per node of ``nodes``: the chosen node's Prediction reuses its.
-        self._est: list[tuple[float, int, float, int, int, int, int]] | None = None
+        # t_hats' rows, one per node of ``nodes`` (None: not computed): the chosen node's
+        # Prediction reuses its.
+        self._est: list[tuple[float, int, float, int, int, int, int] | None] | None = None
         self._full: dict[NodeId, Prediction] = {}
 
     def predict(self, node: NodeId) -> Prediction:
         p = self._pred.get(node)
         if p is None:
+            e = None
             if self._est is not None and node in self.nodes:
                 e = self._est[self.nodes.index(node)]
-            else:
+            if e is None:
                 e = self._router._estimates(self._r, [self._router._nodes[node]], self.match,
                                             self.now)[0]
+                assert e is not None
             t_hat, own, w_hat, t_uc, t_c, t_rst, x = e
             p = self._pred[node] = Prediction(node, t_hat, w_hat, t_uc, t_c, t_rst, x, own)
         return p
 
     def t_hats(self) -> list[tuple[float, int]]:
         self._est = self._router._estimates(self._r, self._nodes, self.match, self.now)
-        return [e[:2] for e in self._est]
+        return [e[:2] for e in self._est if e is not None]
+
+    def t_hats_near_min(self, margin: float) -> list[tuple[float, int] | None]:
+        self._est = self._router._estimates(self._r, self._nodes, self.match, self.now, margin)
+        return [e[:2] if e is not None else None for e in self._est]
 
     def predict_full_input(self, node: NodeId) -> Prediction:
         p = self._full.get(node)
@@ -358,24 +365,35 @@ class Router:
     def _row(self, n: _Node) -> tuple:
         """``n``'s Eq. 7 inputs that no request changes: ``U``, ``ΣA``, ``Σt_rst``, c0..c3, the
         four terms of ``Ŵ_n`` after ``T_rem`` (the ``⌊U/B⌋`` iterations before the request),
-        ``T_rem``'s anchor and the state's time (-inf: none). Rebuilt when they move."""
+        ``T_rem``'s anchor, the state's time (-inf: none) and ``floor``: the queue's own
+        iteration time, so that ``T̂_n >= T_rem + floor`` for any request (every Eq. 7 term
+        grows with the request's work when the coefficients are not negative; -inf when
+        one is). Rebuilt when they move."""
         q, B = n.queue, self.config.ttft.chunk_tokens
         c0, c1, c2, c3 = self._coef.get(n.name, self._prior)
         k = q.U // B
         A_k, R_k = q.first(k * B)
+        floor = (c0 * -(-q.U // B) + c1 * q.U + c2 * q.SA + c3 * q.SR
+                 if min(c0, c1, c2, c3) >= 0.0 else -math.inf)
         n.row = (q.U, q.SA, q.SR, c0, c1, c2, c3, c0 * k, c1 * k * B, c2 * A_k, c3 * R_k,
-                 n.t_rem_at, n.state.time if n.state is not None else -math.inf)
+                 n.t_rem_at, n.state.time if n.state is not None else -math.inf, floor)
         n.row_q, n.row_v = q.version, n.version
         return n.row
 
-    def _estimates(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float
-                   ) -> list[tuple[float, int, float, int, int, int, int]]:
+    def _estimates(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float,
+                   margin: float | None = None
+                   ) -> list[tuple[float, int, float, int, int, int, int] | None]:
         """E.3 lines 6-9 on each node: ``(T̂_n, own, Ŵ_n, t_uc, t_c, t_rst, x)``. The cached
         prefix ``t_c`` reaches as far as some node holds it when the pool serves it (``x``
         of it fetched), else only ``n``'s own prefix (``own`` tokens). The arithmetic is
         :func:`~evinfra.router.ttft.estimate`'s, in the same order (so the same floats),
         inlined because every route runs it on every prefill node (``tests/router`` checks
-        the two agree); what no request changes comes from the node's cached row."""
+        the two agree); what no request changes comes from the node's cached row.
+
+        With ``margin``, only the nodes whose ``T̂_n`` may be within ``margin`` of the
+        minimum get a row, the others None: nodes are visited by the lower bound
+        ``T_rem + floor`` (see :meth:`_row`) and the visit stops at the first bound past
+        the least ``T̂`` so far plus ``margin`` (and 1 ns for the rounding of two sums)."""
         page = self.directory.page_size
         t_in = r.t_in
         cap = t_in - 1
@@ -385,11 +403,23 @@ class Router:
         pool = self.pool
         union = min(match.union * page, cap) if pool else 0
         own_all, l1_all = match.own, match.own_l1
-        out = []
-        for n in nodes:
-            row = (n.row if n.row_q == n.queue.version and n.row_v == n.version
-                   else self._row(n))
-            U, SA, SR, c0, c1, c2, c3, w0, w1, w2, w3, t_rem_at, s_time = row
+        rows = [n.row if n.row_q == n.queue.version and n.row_v == n.version else self._row(n)
+                for n in nodes]
+        out: list[tuple[float, int, float, int, int, int, int] | None] = [None] * len(nodes)
+        order: Iterable[int] = range(len(nodes))
+        bounds: list[float] = []
+        if margin is not None:
+            for row in rows:
+                t_rem_at, s_time, floor = row[11:]
+                t_rem = t_rem_at - now if now - s_time <= max_age and t_rem_at > now else 0.0
+                bounds.append(t_rem + floor)
+            order = sorted(order, key=bounds.__getitem__)
+        lo, slack = math.inf, (margin or 0.0) + 1e-9
+        for i in order:
+            if bounds and bounds[i] > lo + slack + 1e-12 * abs(bounds[i]):
+                break
+            n = nodes[i]
+            U, SA, SR, c0, c1, c2, c3, w0, w1, w2, w3, t_rem_at, s_time, _ = rows[i]
             own = own_all[n.idx] * page
             if own > cap:
                 own = cap
@@ -415,7 +445,10 @@ class Router:
                 gap = fbase + fper * x - w_hat
                 if gap > 0.0:
                     done += gap
-            out.append((done + kappa * x, own, w_hat, t_uc, t_c, t_rst, x))
+            t_hat = done + kappa * x
+            out[i] = (t_hat, own, w_hat, t_uc, t_c, t_rst, x)
+            if t_hat < lo:
+                lo = t_hat
         return out
 
     def _fetch_plan(self, r: _Req, n: _Node, p: Prediction, match: PrefixMatch

@@ -64,6 +64,10 @@ class RouteView(Protocol):
         """``(T̂_n, own prefix tokens)`` of Eq. 7 for every node of ``nodes``, in order: what
         :meth:`predict` says, without building a Prediction per node."""
 
+    def t_hats_near_min(self, margin: float) -> list[tuple[float, int] | None]:
+        """:meth:`t_hats` for the nodes whose ``T̂_n`` may be within ``margin`` of the least,
+        None for the others: a lower bound on ``T̂_n`` rules those out without Eq. 7."""
+
     def predict_full_input(self, node: NodeId) -> Prediction:
         """Eq. 7 on ``node`` as if no token were cached (Arrow's prediction, paper A.1)."""
 
@@ -121,14 +125,15 @@ class TTFTStrategy(Stateless):
 
     def choose(self, view: RouteView) -> Prediction:
         nodes = view.nodes
-        estimates = view.t_hats()
         # Ties are equal T̂ to 9 decimals. ``round`` is monotone and a difference of close
         # floats is exact, so the tied nodes are among those within 2 ns of the minimum:
-        # only those are rounded.
-        lo = min(t for t, _ in estimates)
+        # only those are estimated (others are ruled out by a bound) and rounded.
+        estimates = view.t_hats_near_min(2e-9)
+        near = [(i, e) for i, e in enumerate(estimates) if e is not None]
+        lo = min(t for _, (t, _) in near)
         least = round(lo, 9)
-        tied = [i for i, (t, _) in enumerate(estimates) if t - lo <= 2e-9 and round(t, 9) == least]
-        best = min(tied, key=lambda i: (-estimates[i][1], view.last_chosen(nodes[i]), nodes[i]))
+        tied = [(i, own) for i, (t, own) in near if t - lo <= 2e-9 and round(t, 9) == least]
+        best = min(tied, key=lambda c: (-c[1], view.last_chosen(nodes[c[0]]), nodes[c[0]]))[0]
         return view.predict(nodes[best])
 
 

@@ -6,6 +6,7 @@ from evinfra.core.types import Phase
 from evinfra.directory import Directory
 from evinfra.router.router import DecodeBinding, Refusal, Route, RouteRequest, Router, RouterConfig
 from evinfra.router.ttft import TTFTConfig
+from evinfra.router.strategy import TTFTStrategy
 
 PAGE = 64
 rng = np.random.default_rng(0)
@@ -186,7 +187,8 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
     """The router's one loop over the prefill nodes (what every route runs) gives, per node,
     E.3 lines 6-9's inputs and exactly the floats of ``ttft.estimate`` on them, over random
     queues, reports, models and prefixes, and again after they change (the loop caches
-    what no request changes)."""
+    what no request changes). Asked for the nodes near the least T̂ only, it skips nodes by
+    a lower bound that holds, and only nodes outside the margin."""
     from evinfra.planner.itermodel import NodeModel
     from evinfra.router.router import _Req, _View
     from evinfra.router.ttft import estimate
@@ -229,7 +231,26 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
         view = _View(r, _Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
         assert view.t_hats() == [e[:2] for e in got]
         assert [view.predict(n).t_hat for n in view.nodes] == [e[0] for e in got]
+        # Each node's floor bounds its T̂ from below, so the nodes a bound rules out are
+        # never within the margin of the least T̂; those computed are the same rows.
+        for n, e in zip(eligible, got):
+            assert r._t_rem(n, now) + n.row[13] <= e[0]
+        lo = min(e[0] for e in got)
+        for margin in (0.0, 2e-9, 0.01, 0.1):
+            near = r._estimates(_Req("q", "b", step.path, tokens.size, 0, False), eligible,
+                                match, now, margin)
+            for e, full in zip(near, got):
+                assert e == full or (e is None and full[0] - lo > margin)
+            skipped.append(near.count(None))
+        # Evinfra's choice is the argmin of every node's T̂ (ties: longest own prefix, least
+        # recently chosen, name), though it computes only the nodes near the minimum.
+        least = round(lo, 9)
+        ref = min((i for i, e in enumerate(got) if round(e[0], 9) == least),
+                  key=lambda i: (-got[i][1], view.last_chosen(view.nodes[i]), view.nodes[i]))
+        view = _View(r, _Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+        assert TTFTStrategy().choose(view).node == view.nodes[ref]
 
+    skipped: list[int] = []
     check(float(g.random() * 10))
     # Each node's cached inputs follow every change of its queue, report or model.
     r._nodes["P1"].queue.add("late", 5_000, 1_000, 10)
@@ -238,3 +259,4 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
     r.set_models([NodeModel(node="P5", c0=0.02, c1=2e-5, c2=3e-10, c3=1e-7, d0=0.01, d1=0.01,
                             d2=1e-4, k_over_e=1.0, t_fwd=1.0, t_bar=4096.0, f=0.5)])
     check(float(g.random() * 10))
+    assert sum(skipped) > 0  # the bound did rule nodes out

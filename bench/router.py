@@ -4,8 +4,11 @@
 
 For 9 and 64 prefill-capable nodes, queues of 0-64 requests per node and contexts of 8K-128K
 tokens, each sample routes the next request of an agent branch (its context plus 512 new
-tokens): E.1 step, directory lookup, Eq. 7 on every node, choice, placement. Printed: p50/p99
-of the whole decision and of ``Directory.match`` on the same path, and their ratio.
+tokens): E.1 step, directory lookup, Eq. 7 on every node, choice, placement. Each branch's
+previous request is routed in the setup, so the samples start from the state serving leaves
+(a branch's path is looked up whenever it is hashed); a branch whose next request goes to
+another node counts its whole context there (E.2). Printed: p50/p99 of the whole decision
+and of ``Directory.match`` on the same path, and their ratio.
 Goals (issue 4): p99 <= 200 us at 9 nodes / 32K, <= 1 ms at 64 nodes / 128K.
 """
 
@@ -38,7 +41,8 @@ def setup(nodes: int, context: int, seed: int) -> tuple[Router, list[np.ndarray]
             k = int(rng.integers(len(path) // 2, len(path) + 1))
             for medium in ("GPU", "CPU_PINNED"):
                 router.directory.apply(f"n{i}", BlockStored(path[:k], None, [], PAGE, medium=medium), 0.0)
-        router.directory.step(f"b{a}", ctx)
+        router.route(RouteRequest(f"prev{a}", f"b{a}", ctx, 256), 0.0)
+        router.finished(f"prev{a}")
         contexts.append(ctx)
     for i in range(nodes):
         q = router._nodes[f"n{i}"].queue

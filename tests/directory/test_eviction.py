@@ -51,6 +51,8 @@ def test_whole_segment_operations_match_one_block_at_a_time() -> None:
                     one.remove(h)
                     many.remove(h)
             else:
+                if rnd.random() < 0.2:  # a repeated block is touched again, in place
+                    blocks += blocks[:2]
                 for h in blocks:
                     one.touch(h)
                 many.touch_all(blocks)

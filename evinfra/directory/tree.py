@@ -197,28 +197,32 @@ class PrefixTree:
         its last lookup (or its base path's): they are checked against the blocks' hashes
         at once, and only blocks that moved, or are new, are looked up by hash.
         """
-        slots, union = self._slots(path)
+        slots, union, gathered = self._slots(path)
         n = len(self._names)
         own = [0] * n
         own_l1 = [0] * n
         if union:
-            rows = slots[:union]
-            for w, t in enumerate(self._words):
-                self._prefixes(t[rows], _PER_WORD * w, union, own, own_l1)
+            if gathered is None:
+                rows = slots[:union]
+                gathered = [t[rows] for t in self._words]
+            for w, words in enumerate(gathered):
+                self._prefixes(words[:union], _PER_WORD * w, union, own, own_l1)
         return PrefixMatch(union, own, own_l1)
 
-    def _slots(self, path: Sequence[BlockHash] | HashedPath) -> tuple[np.ndarray, int]:
-        """The slots of the path's blocks and the number of leading blocks some node holds
-        (the slots past those are not meaningful)."""
+    def _slots(self, path: Sequence[BlockHash] | HashedPath
+               ) -> tuple[np.ndarray, int, list[np.ndarray] | None]:
+        """The slots of the path's blocks, the number of leading blocks some node holds (the
+        slots past those are not meaningful) and, when a memo gave the slots, each word
+        table gathered along them (the lookup's own check reads them; None: not gathered)."""
         if not isinstance(path, HashedPath):
-            return self._lookup(path)
+            return (*self._lookup(path), None)
         if path.memo is not None:
             got = self._recheck(path)
             if got is not None:
                 return got
         slots, union = self._lookup(path.hashes)
         path.memo = (slots, self._hash_np[slots])
-        return slots, union
+        return slots, union, None
 
     def _lookup(self, hashes: Sequence[BlockHash]) -> tuple[np.ndarray, int]:
         """:meth:`_slots` by hash, a dict probe per block (0: held nowhere)."""
@@ -226,7 +230,7 @@ class PrefixTree:
         missing = np.flatnonzero(slots == 0)
         return slots, int(missing[0]) if missing.size else len(hashes)
 
-    def _recheck(self, path: HashedPath) -> tuple[np.ndarray, int] | None:
+    def _recheck(self, path: HashedPath) -> tuple[np.ndarray, int, list[np.ndarray]] | None:
         """:meth:`_slots` from the path's memo: ``known[i]`` is the hash slot ``slots[i]``
         had when it was found (new pages start at slot 0, which no node holds). A slot is
         still the block's if it holds that hash and some node holds it (a freed slot has no
@@ -238,29 +242,36 @@ class PrefixTree:
             slots = np.concatenate([slots, np.zeros(L - len(slots), np.intp)])
             known = np.concatenate([known, np.zeros(L - len(known), np.int64)])
         try:
-            held = self._words[0][slots] != 0
-            for t in self._words[1:]:
-                held |= t[slots] != 0
-            stale = np.flatnonzero((self._hash_np[slots] != known) | ~held)
+            gathered = [t[slots] for t in self._words]
+            stale = self._hash_np[slots] != known
         except IndexError:  # slots past this directory's tables
             return None
+        held = gathered[0] != 0
+        for words in gathered[1:]:
+            held |= words != 0
+        stale |= ~held
+        stale_at = np.flatnonzero(stale)
         path.memo = (slots, known)
         # Usually a few new pages, the first of them held nowhere yet: look them up one by
         # one up to that. Many moved blocks are looked up in one go.
         get = self._slot.get
-        for i in stale[:16].tolist():
+        for i in stale_at[:16].tolist():
             h = hashes[i]
             s = get(h)
             if s is None:
-                return slots, i
+                return slots, i, gathered
             slots[i], known[i] = s, h
-        if stale.size <= 16:
-            return slots, L
-        at = stale[16:]
+            for words, t in zip(gathered, self._words):
+                words[i] = t[s]
+        if stale_at.size <= 16:
+            return slots, L, gathered
+        at = stale_at[16:]
         found, union = self._lookup([hashes[i] for i in at.tolist()])
         slots[at] = found
         known[at] = self._hash_np[found]
-        return slots, int(at[union]) if union < len(at) else L
+        for words, t in zip(gathered, self._words):
+            words[at] = t[found]
+        return slots, int(at[union]) if union < len(at) else L, gathered
 
     @staticmethod
     def _prefixes(words: np.ndarray, base: int, union: int, own: list[int],

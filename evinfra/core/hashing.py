@@ -16,6 +16,7 @@ is one ``memcmp``-speed comparison plus O(new pages) SHA-256 calls, not O(contex
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -107,12 +108,21 @@ class HashedPath:
 
 
 class PathHasher:
-    """Hashes request inputs into block paths, reusing a base path's digests where it can."""
+    """Hashes request inputs into block paths, reusing a base path's digests where it can.
 
-    def __init__(self, page_size: int) -> None:
+    A new branch whose parent shares no page with it (a new agent, a sub-agent's fresh
+    context) is hashed against the last path hashed with the same first page, if any: agents
+    of one harness start with the same system prompt and tools (8-20 K tokens for a coding
+    agent), so a new agent pays SHA-256 only past them, and its first lookup inherits their
+    slots. The paths of the last ``recent`` distinct first pages are remembered.
+    """
+
+    def __init__(self, page_size: int, recent: int = 16) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be positive")
         self.page_size = page_size
+        self.recent = recent
+        self._by_first: OrderedDict[bytes, HashedPath] = OrderedDict()
 
     def common_pages(self, tokens: np.ndarray, base: HashedPath) -> int:
         """Number of leading full pages ``tokens`` shares with ``base`` (vectorised compare)."""
@@ -127,12 +137,36 @@ class PathHasher:
         return first // p
 
     def hash(self, tokens: Sequence[int] | np.ndarray, base: HashedPath | None = None) -> HashedPath:
-        """The path of ``tokens``; pages shared with ``base`` reuse its digests."""
-        arr = as_tokens(tokens)
+        """The path of ``tokens``; pages shared with ``base`` reuse its digests (``shared``
+        counts them: a branch's next path tells how much of the last one it keeps)."""
+        return self._path(as_tokens(tokens), base, False)
+
+    def start(self, tokens: Sequence[int] | np.ndarray, parent: HashedPath | None = None
+              ) -> HashedPath:
+        """The first path of a new branch: hashed against ``parent``'s path, or, if that
+        shares no page, against the last path hashed with the same first page."""
+        return self._path(as_tokens(tokens), parent, True)
+
+    def _path(self, arr: np.ndarray, base: HashedPath | None, guess: bool) -> HashedPath:
         n = arr.size // self.page_size
         keep = self.common_pages(arr, base) if base is not None else 0
         if base is not None and keep == n and keep == len(base):
             return HashedPath(arr, base.digests, base.hashes, self.page_size, keep, base.memo)
+        first = arr[: self.page_size].tobytes() if n else b""
+        if guess and not keep and n:
+            base = self._by_first.get(first)
+            keep = self.common_pages(arr, base) if base is not None else 0
+        path = self._extend(arr, n, base, keep)
+        if n:
+            self._by_first[first] = path
+            self._by_first.move_to_end(first)
+            if len(self._by_first) > self.recent:
+                self._by_first.popitem(last=False)
+        return path
+
+    def _extend(self, arr: np.ndarray, n: int, base: HashedPath | None, keep: int
+                ) -> HashedPath:
+        """The path of ``arr`` (``n`` full pages) whose first ``keep`` pages are ``base``'s."""
         memo = None
         if base is not None and base.memo is not None and keep:
             memo = tuple(m[:keep] for m in base.memo)

@@ -167,7 +167,8 @@ class BranchTable:
 
         A new branch (forked or a sub-agent when ``parent`` is known) starts at version 1
         with an empty previous path; its tokens are hashed against the parent's last path so
-        a fork pays only for its new pages. A rewritten context bumps the version and trims
+        a fork pays only for its new pages (a fresh context, against the last path that
+        starts with the same page: a shared system prompt). A rewritten context bumps the version and trims
         the branch's counts on every node to the prefix the new path keeps (E.2 line 7).
         """
         b = self._branches.get(branch)
@@ -175,7 +176,7 @@ class BranchTable:
             b = self._branches[branch] = _Branch(branch)
             base_branch = self._branches.get(parent) if parent is not None else None
             base = base_branch.path if base_branch is not None else None
-            path = self.hasher.hash(tokens, base)
+            path = self.hasher.start(tokens, base)
             b.path = path
             return BranchStep(branch, b.version, False, path, 0)
         old = b.path

@@ -134,7 +134,7 @@ class Fetcher:
         job.local_pages = local
         segs: list[Segment] = []
         if plan is not None:
-            path = self.hasher.hash(tokens)
+            path = self.hasher.start(tokens)
             job.digests = [path.digest(i).hex() for i in range(len(path))]
             segs, why = segments(plan, path.hashes, local, P)
             job.planned_pages = sum(r.end - r.start for r in segs)

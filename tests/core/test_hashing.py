@@ -84,6 +84,28 @@ def test_a_path_keeps_every_page_digest_through_extensions_and_rewrites() -> Non
         assert path.hashes == block_hashes(ctx, 4)
 
 
+def test_a_new_branch_hashes_only_past_a_prompt_seen_before(monkeypatch) -> None:
+    h = PathHasher(4, recent=2)
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 50_000, size=4 * 100, dtype=np.uint32)
+    parent = h.hash(rng.integers(0, 50_000, size=4 * 100, dtype=np.uint32))
+    first = h.start(np.concatenate([prompt, rng.integers(0, 50_000, size=40, dtype=np.uint32)]))
+    monkeypatch.setattr(hashing.hashlib, "sha256", _CountingSha)
+    _CountingSha.calls = 0
+    task = np.concatenate([prompt, rng.integers(0, 50_000, size=4 * 7, dtype=np.uint32)])
+    path = h.start(task, parent)  # a parent that shares no page: the prompt serves
+    assert _CountingSha.calls == 7 and path.shared == 100
+    assert path.hashes == block_hashes(task, 4) and path.hashes[:100] == first.hashes[:100]
+    # A branch's next path is hashed against its last one only: a rewrite from the first
+    # page keeps nothing of it, whatever was hashed before.
+    assert h.hash(task, parent).shared == 0
+    # Only the last two first pages are remembered.
+    for _ in range(2):
+        h.hash(rng.integers(0, 50_000, size=8, dtype=np.uint32))
+    _CountingSha.calls = 0
+    assert h.start(task).hashes == path.hashes and _CountingSha.calls == 107
+
+
 def test_token_ids_must_fit_uint32() -> None:
     with pytest.raises(ValueError):
         block_hashes([-1, 2, 3, 4], 4)

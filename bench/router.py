@@ -8,7 +8,8 @@ tokens): E.1 step, directory lookup, Eq. 7 on every node, choice, placement. Eac
 previous request is routed in the setup, so the samples start from the state serving leaves
 (a branch's path is looked up whenever it is hashed); a branch whose next request goes to
 another node counts its whole context there (E.2). Printed: p50/p99 of the whole decision
-and of ``Directory.match`` on the same path, and their ratio.
+and of ``Directory.match`` on the same path, and their ratio; then the first route of new
+agents that share a system prompt (hashing and looking up their context for the first time).
 Goals (issue 4): p99 <= 200 us at 9 nodes / 32K, <= 1 ms at 64 nodes / 128K.
 """
 
@@ -69,6 +70,25 @@ def run(nodes: int, context: int, samples: int) -> tuple[np.ndarray, np.ndarray]
     return np.array(route_t) * 1e6, np.array(match_t) * 1e6
 
 
+def run_new_agents(nodes: int, agents: int) -> np.ndarray:
+    """First routes of new agents that share a 16K-token system prompt, each with 2K tokens
+    of its own (no parent): the prompt is hashed and looked up once, then reused."""
+    router, _ = setup(nodes, 8_192, nodes)
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 150_000, size=16_384, dtype=np.uint32)
+    times = []
+    for a in range(agents):
+        ctx = np.concatenate([prompt, rng.integers(0, 150_000, size=2_048, dtype=np.uint32)])
+        t = time.perf_counter()
+        route = router.route(RouteRequest(f"new{a}", f"agent{a}", ctx, 256), float(a))
+        times.append(time.perf_counter() - t)
+        if a < 3:  # the prefill of the first agents puts the prompt on their nodes
+            router.directory.apply(route.node, BlockStored(route.path.hashes, None, [], PAGE,
+                                                           medium="GPU"), float(a))
+        router.finished(f"new{a}")
+    return np.array(times[3:]) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -84,6 +104,11 @@ def main() -> None:
             l50, l99 = np.percentile(look, [50, 99])
             print(f"{nodes:>6}{context:>9}{r50:>14.0f}{r99:>14.0f}{l50:>12.0f}{l99:>12.0f}"
                   f"{r50 / l50:>13.1f}x   {goals.get((nodes, context), '')}")
+    print("\nfirst request of a new agent: 16K-token shared system prompt + 2K own tokens")
+    print(f"{'nodes':>6}{'route p50 us':>14}{'route p99 us':>14}")
+    for nodes in (9, 64):
+        r50, r99 = np.percentile(run_new_agents(nodes, samples // 2), [50, 99])
+        print(f"{nodes:>6}{r50:>14.0f}{r99:>14.0f}")
 
 
 if __name__ == "__main__":

@@ -168,8 +168,9 @@ class BranchTable:
         A new branch (forked or a sub-agent when ``parent`` is known) starts at version 1
         with an empty previous path; its tokens are hashed against the parent's last path so
         a fork pays only for its new pages (a fresh context, against the last path that
-        starts with the same page: a shared system prompt). A rewritten context bumps the version and trims
-        the branch's counts on every node to the prefix the new path keeps (E.2 line 7).
+        starts with the same page: a shared system prompt). A rewritten context bumps the
+        version and trims the branch's counts on every node to the prefix the new path
+        keeps (E.2 line 7).
         """
         b = self._branches.get(branch)
         if b is None:

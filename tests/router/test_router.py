@@ -5,8 +5,8 @@ from evinfra.core.events import BlockStored, NodeState, PrefillItem
 from evinfra.core.types import Phase
 from evinfra.directory import Directory
 from evinfra.router.router import DecodeBinding, Refusal, Route, RouteRequest, Router, RouterConfig
-from evinfra.router.ttft import TTFTConfig
 from evinfra.router.strategy import TTFTStrategy
+from evinfra.router.ttft import TTFTConfig
 
 PAGE = 64
 rng = np.random.default_rng(0)

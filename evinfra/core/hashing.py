@@ -131,7 +131,7 @@ class PathHasher:
         if k == 0:
             return 0
         a, b = tokens[:k], base.tokens[:k]
-        if np.array_equal(a, b):
+        if (a == b).all():  # np.array_equal, without its checks (same shape here)
             return k // p
         first = int(np.flatnonzero(a != b)[0])
         return first // p

@@ -225,9 +225,11 @@ class PrefixTree:
         return slots, union, None
 
     def _lookup(self, hashes: Sequence[BlockHash]) -> tuple[np.ndarray, int]:
-        """:meth:`_slots` by hash, a dict probe per block (0: held nowhere)."""
+        """:meth:`_slots` by hash, a dict probe per block (0: held nowhere). (Here and below
+        ``ndarray.nonzero``, not ``np.flatnonzero``: the latter's Python wrapper costs more
+        than the search itself on a path.)"""
         slots = np.fromiter(map(self._slot.get, hashes, repeat(0)), np.intp, len(hashes))
-        missing = np.flatnonzero(slots == 0)
+        missing = (slots == 0).nonzero()[0]
         return slots, int(missing[0]) if missing.size else len(hashes)
 
     def _recheck(self, path: HashedPath) -> tuple[np.ndarray, int, list[np.ndarray]] | None:
@@ -250,7 +252,7 @@ class PrefixTree:
         for words in gathered[1:]:
             held |= words != 0
         stale |= ~held
-        stale_at = np.flatnonzero(stale)
+        stale_at = stale.nonzero()[0]
         path.memo = (slots, known)
         # Usually a few new pages, the first of them held nowhere yet: look them up one by
         # one up to that. Many moved blocks are looked up in one go.
@@ -282,7 +284,7 @@ class PrefixTree:
             return
         acc = np.bitwise_and.accumulate(words)
         prev = int(acc[0])
-        for j in [*(np.flatnonzero(acc[1:] != acc[:-1]) + 1).tolist(), union]:
+        for j in [*((acc[1:] != acc[:-1]).nonzero()[0] + 1).tolist(), union]:
             now = int(acc[j]) if j < union else 0  # bits alive to the end die at union
             dead = (prev & ~now) >> _PER_WORD  # L2 bits do not matter
             while dead:

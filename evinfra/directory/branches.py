@@ -330,14 +330,18 @@ class BranchTable:
         return b
 
     def _inc_all(self, node: int, hashes: list[BlockHash] | dict[BlockHash, int]) -> None:
-        """``R[b, n] += 1`` for each block, in one C loop. If any block was at zero, all are
-        noted for the next hint: usually all were (a path counted on a node new to it), and
-        the hint drops noted blocks whose state did not change."""
+        """``R[b, n] += 1`` for each block, in one C loop; the blocks that were at zero are
+        noted for the next hint. Usually all or none were (a path counted on a node new to
+        it, or a request's new pages), which the size of ``R`` tells; otherwise they are
+        the blocks now at one (a path's blocks are distinct)."""
         R = self._R[node]
         before = len(R)
         _count_elements(R, hashes)
-        if len(R) != before:
+        added = len(R) - before
+        if added == len(hashes):
             self._note(node, hashes)
+        elif added:
+            self._note(node, [h for h in hashes if R[h] == 1])
 
     def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
         """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is

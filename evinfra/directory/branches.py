@@ -331,9 +331,10 @@ class BranchTable:
 
     def _inc_all(self, node: int, hashes: list[BlockHash] | dict[BlockHash, int]) -> None:
         """``R[b, n] += 1`` for each block, in one C loop; the blocks that were at zero are
-        noted for the next hint. Usually all or none were (a path counted on a node new to
-        it, or a request's new pages), which the size of ``R`` tells; otherwise they are
-        the blocks now at one (a path's blocks are distinct)."""
+        noted for the next hint. Usually all were (a path counted on a node new to it, a
+        request's new pages) or none (a fork's pages its parent counts there), which the
+        size of ``R`` tells; otherwise they are the blocks now at one (a path's blocks are
+        distinct)."""
         R = self._R[node]
         before = len(R)
         _count_elements(R, hashes)

@@ -156,7 +156,7 @@ class PathHasher:
         if guess and not keep and n:
             base = self._by_first.get(first)
             keep = self.common_pages(arr, base) if base is not None else 0
-        path = self._extend(arr, n, base, keep)
+        path = self._extend(arr, n, base if keep else None, keep)
         if n:
             self._by_first[first] = path
             self._by_first.move_to_end(first)
@@ -166,16 +166,17 @@ class PathHasher:
 
     def _extend(self, arr: np.ndarray, n: int, base: HashedPath | None, keep: int
                 ) -> HashedPath:
-        """The path of ``arr`` (``n`` full pages) whose first ``keep`` pages are ``base``'s."""
+        """The path of ``arr`` (``n`` full pages) whose first ``keep`` pages are ``base``'s
+        (None: ``keep`` is 0)."""
         memo = None
-        if base is not None and base.memo is not None and keep:
+        if base is not None and base.memo is not None:
             memo = tuple(m[:keep] for m in base.memo)
-        prior = base.digest(keep - 1) if base is not None and keep else None
+        prior = base.digest(keep - 1) if base is not None else None
         # Only the new pages are converted to bytes and hashed.
         tail = arr[keep * self.page_size : n * self.page_size].tobytes()
         new = _chain(tail, self.page_size * 4, 0, n - keep, prior)
         new_hashes = [digest_to_hash(d) for d in new]
-        if base is not None and keep:
+        if base is not None:
             # The shared part is copied once (slicing a list and concatenating the slice
             # writes each page's reference count twice).
             digests = base.digests[: keep * _DIGEST] + b"".join(new)

@@ -256,6 +256,7 @@ class BranchTable:
         R = self._R[node]
         emptied: list[_Branch] = []
         recent: list[_Branch] = []
+        zeroed: list[BlockHash] = []
         for h in blocks:
             r = R.get(h)
             if not r:
@@ -277,7 +278,10 @@ class BranchTable:
                         if len(holders) == r:
                             break
             recent = holders
-            self._set_zero(R, node, h)
+            del R[h]
+            zeroed.append(h)
+        if zeroed:
+            self._note(node, zeroed)
         for b in emptied:
             del b.k[node], b.holes[node]
             self._on[node].discard(b.id)
@@ -358,10 +362,6 @@ class BranchTable:
                 R[h] = r - 1
         if crossed:
             self._note(node, crossed)
-
-    def _set_zero(self, R: dict[BlockHash, int], node: int, h: BlockHash) -> None:
-        del R[h]
-        self._note(node, (h,))
 
     def _note(self, node: int, blocks: Iterable[BlockHash]) -> None:
         """Note blocks whose count may have crossed zero. If nobody takes the hints (a

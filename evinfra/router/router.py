@@ -214,11 +214,7 @@ class _View:
             p = self._pred[node] = Prediction(node, t_hat, w_hat, t_uc, t_c, t_rst, x, own)
         return p
 
-    def t_hats(self) -> list[tuple[float, int]]:
-        self._est = self._router._estimates(self._r, self._nodes, self.match, self.now)
-        return [e[:2] for e in self._est if e is not None]
-
-    def t_hats_near_min(self, margin: float) -> list[tuple[float, int] | None]:
+    def t_hats(self, margin: float | None = None) -> list[tuple[float, int] | None]:
         self._est = self._router._estimates(self._r, self._nodes, self.match, self.now, margin)
         return [e[:2] if e is not None else None for e in self._est]
 
@@ -405,21 +401,22 @@ class Router:
         own_all, l1_all = match.own, match.own_l1
         rows = [n.row if n.row_q == n.queue.version and n.row_v == n.version else self._row(n)
                 for n in nodes]
+        # T_rem, :meth:`_t_rem`'s rule from the rows (row[11]: its anchor, row[12]: the
+        # report's time): a fresh report's remaining time, never negative; 0 without one.
+        t_rems = [r[11] - now if now - r[12] <= max_age and r[11] > now else 0.0 for r in rows]
         out: list[tuple[float, int, float, int, int, int, int] | None] = [None] * len(nodes)
         order: Iterable[int] = range(len(nodes))
         bounds: list[float] = []
         if margin is not None:
-            for row in rows:
-                t_rem_at, s_time, floor = row[11:]
-                t_rem = t_rem_at - now if now - s_time <= max_age and t_rem_at > now else 0.0
-                bounds.append(t_rem + floor)
+            bounds = [t_rem + row[-1] for t_rem, row in zip(t_rems, rows)]
             order = sorted(order, key=bounds.__getitem__)
         lo, slack = math.inf, (margin or 0.0) + 1e-9
         for i in order:
             if bounds and bounds[i] > lo + slack + 1e-12 * abs(bounds[i]):
                 break
             n = nodes[i]
-            U, SA, SR, c0, c1, c2, c3, w0, w1, w2, w3, t_rem_at, s_time, _ = rows[i]
+            U, SA, SR, c0, c1, c2, c3, w0, w1, w2, w3 = rows[i][:11]
+            t_rem = t_rems[i]
             own = own_all[n.idx] * page
             if own > cap:
                 own = cap
@@ -431,12 +428,6 @@ class Router:
             l1 = l1_all[n.idx] * page
             t_rst = own - (l1 if l1 < own else own) + x
             t_uc = t_in - t_c
-            if now - s_time > max_age:
-                t_rem = 0.0
-            else:
-                t_rem = t_rem_at - now
-                if t_rem < 0.0:
-                    t_rem = 0.0
             w_hat = t_rem + w0 + w1 + w2 + w3
             Ut = U + t_uc
             A = t_uc * t_c + t_uc * (t_uc + 1) // 2
@@ -474,7 +465,7 @@ class Router:
             else:
                 best = next(i for i in tree.holders(hashes[pos]) if i != n.idx)
                 stop = pos + 1
-                while stop < end and best in tree.holders(hashes[stop]):
+                while stop < end and tree.holds(hashes[stop], best):
                     stop += 1
             runs.append(FetchRun(tree.node_name(best), pos, hashes[pos:stop]))
             pos = stop

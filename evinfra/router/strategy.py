@@ -60,13 +60,11 @@ class RouteView(Protocol):
     def predict(self, node: NodeId) -> Prediction:
         """Eq. 7 on ``node`` with the router's queue, coefficients and data plane."""
 
-    def t_hats(self) -> list[tuple[float, int]]:
+    def t_hats(self, margin: float | None = None) -> list[tuple[float, int] | None]:
         """``(T̂_n, own prefix tokens)`` of Eq. 7 for every node of ``nodes``, in order: what
-        :meth:`predict` says, without building a Prediction per node."""
-
-    def t_hats_near_min(self, margin: float) -> list[tuple[float, int] | None]:
-        """:meth:`t_hats` for the nodes whose ``T̂_n`` may be within ``margin`` of the least,
-        None for the others: a lower bound on ``T̂_n`` rules those out without Eq. 7."""
+        :meth:`predict` says, without building a Prediction per node. With ``margin``, only
+        for the nodes whose ``T̂_n`` may be within ``margin`` of the least, None for the
+        others: a lower bound on ``T̂_n`` rules those out without Eq. 7."""
 
     def predict_full_input(self, node: NodeId) -> Prediction:
         """Eq. 7 on ``node`` as if no token were cached (Arrow's prediction, paper A.1)."""
@@ -128,7 +126,7 @@ class TTFTStrategy(Stateless):
         # Ties are equal T̂ to 9 decimals. ``round`` is monotone and a difference of close
         # floats is exact, so the tied nodes are among those within 2 ns of the minimum:
         # only those are estimated (others are ruled out by a bound) and rounded.
-        estimates = view.t_hats_near_min(2e-9)
+        estimates = view.t_hats(2e-9)
         near = [(i, e) for i, e in enumerate(estimates) if e is not None]
         lo = min(t for _, (t, _) in near)
         least = round(lo, 9)

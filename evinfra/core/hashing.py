@@ -169,16 +169,16 @@ class PathHasher:
         (None: ``keep`` is 0)."""
         memo = None
         if base is not None and base.memo is not None:
-            memo = tuple(m[:keep] for m in base.memo)
+            memo = tuple([m[:keep] for m in base.memo])
         prior = base.digest(keep - 1) if base is not None else None
         # Only the new pages are converted to bytes and hashed.
         tail = arr[keep * self.page_size : n * self.page_size].tobytes()
         new = b"".join(_chain(tail, self.page_size * 4, 0, n - keep, prior))
         new_hashes = digests_to_hashes(new)
         if base is not None:
-            # The shared part is copied once (slicing a list and concatenating the slice
-            # writes each page's reference count twice).
-            digests = base.digests[: keep * _DIGEST] + new
+            # The shared part is copied once: a memoryview slice copies nothing, and one
+            # list slice writes each page's reference count once.
+            digests = b"".join((memoryview(base.digests)[: keep * _DIGEST], new))
             hashes = base.hashes[:keep]
             hashes += new_hashes
         else:

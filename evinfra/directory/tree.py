@@ -248,10 +248,10 @@ class PrefixTree:
             stale = self._hash_np[slots] != known
         except IndexError:  # slots past this directory's tables
             return None
-        held = gathered[0] != 0
+        held = gathered[0]
         for words in gathered[1:]:
-            held |= words != 0
-        stale |= ~held
+            held = held | words
+        stale |= held == 0
         stale_at = stale.nonzero()[0]
         path.memo = (slots, known)
         # Usually a few new pages, the first of them held nowhere yet: look them up one by

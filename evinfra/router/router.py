@@ -27,6 +27,7 @@ the old phase, withdraw queued requests) → :meth:`withdrawn` (route again) →
 from __future__ import annotations
 
 import math
+from operator import add, itemgetter
 from typing import Iterable
 
 import msgspec
@@ -47,6 +48,8 @@ __all__ = ["DecodeBinding", "Held", "NodeLoad", "Refusal", "Route", "RouteReques
            "RouterConfig"]
 
 log = structlog.get_logger(__name__)
+
+_FLOOR = itemgetter(13)  # a node's Eq. 7 row: ``floor`` (see ``Router._row``)
 
 
 class PriorModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -408,7 +411,7 @@ class Router:
         order: Iterable[int] = range(len(nodes))
         bounds: list[float] = []
         if margin is not None:
-            bounds = [t_rem + row[-1] for t_rem, row in zip(t_rems, rows)]
+            bounds = list(map(add, t_rems, map(_FLOOR, rows)))  # C loops
             order = sorted(order, key=bounds.__getitem__)
         lo, slack = math.inf, (margin or 0.0) + 1e-9
         for i in order:
@@ -454,14 +457,16 @@ class Router:
         page = self.directory.page_size
         hashes = r.path.hashes
         tree = self.directory.tree
-        own = match.own
-        peers = [i for i in range(len(own)) if i != n.idx]
+        # The peer whose own prefix reaches furthest (the first on ties): C loops over the
+        # nodes, which a route at 64 nodes notices.
+        reach = list(match.own)
+        reach[n.idx] = -1
+        far = reach.index(max(reach))
         runs: list[FetchRun] = []
         pos, end = p.own // page, p.t_c // page
         while pos < end:
-            best = max(peers, key=lambda i: (own[i], -i))
-            if own[best] > pos:
-                stop = min(own[best], end)
+            if reach[far] > pos:
+                best, stop = far, min(reach[far], end)
             else:
                 best = next(i for i in tree.holders(hashes[pos]) if i != n.idx)
                 stop = pos + 1

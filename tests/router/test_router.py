@@ -50,6 +50,22 @@ def test_loaded_prefix_holder_loses_to_an_idle_node_that_fetches() -> None:
     assert route.fetch[0].blocks == route.path.hashes[:312]
 
 
+def test_fetch_plan_takes_the_furthest_peer_then_fills_holes_from_any_holder() -> None:
+    """Runs from the peer whose own prefix reaches furthest (the first such node on a tie),
+    then, past every peer's own prefix, from whoever holds each block."""
+    r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "P3": Phase.PREFILL,
+              "P4": Phase.PREFILL, "D1": Phase.DECODE})
+    tokens = rng.integers(0, 50_000, size=30 * PAGE + 100, dtype=np.uint32)
+    path = r.directory.branches.hasher.hash(tokens).hashes
+    for node, blocks in (("P1", path[:11] + path[12:30]), ("P2", path[:25]), ("P3", path[:25])):
+        r.directory.apply(node, BlockStored(blocks, None, [], PAGE, medium="GPU"), 0.0)
+        load(r, node, 20)
+    route = r.route(req("q1", tokens), now=0.0)
+    assert route.node == "P4" and route.prediction.t_c == 30 * PAGE
+    assert [(f.peer, f.start, f.blocks) for f in route.fetch] == [("P2", 0, path[:25]),
+                                                                  ("P1", 25, path[25:30])]
+
+
 def test_idle_prefix_holder_keeps_the_request() -> None:
     r = make()
     hold(r, "P1", FAMILY)

@@ -4,12 +4,14 @@
 
 For 9 and 64 prefill-capable nodes, queues of 0-64 requests per node and contexts of 8K-128K
 tokens, each sample routes the next request of an agent branch (its context plus 512 new
-tokens): E.1 step, directory lookup, Eq. 7 on every node, choice, placement. Each branch's
-previous request is routed in the setup, so the samples start from the state serving leaves
-(a branch's path is looked up whenever it is hashed); a branch whose next request goes to
-another node counts its whole context there (E.2). Printed: p50/p99 of the whole decision
-and of ``Directory.match`` on the same path, and their ratio; then the first route of new
-agents that share a system prompt (hashing and looking up their context for the first time).
+tokens): E.1 step, directory lookup, Eq. 7 on every node, choice, placement. A row is
+labelled by its 16 branches' starting context; each grows by 25 x 512 tokens over the 400
+samples. Each branch's previous request is routed in the setup, so the samples start from
+the state serving leaves (a branch's path is looked up whenever it is hashed); a branch
+whose next request goes to another node counts its whole context there (E.2). Printed:
+p50/p99 of the whole decision and of ``Directory.match`` on the same path, and their ratio;
+then the first route of new agents that share a system prompt (hashing and looking up their
+context for the first time).
 Goals (issue 4): p99 <= 200 us at 9 nodes / 32K, <= 1 ms at 64 nodes / 128K.
 """
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from evinfra.core.types import BlockHash
 
-__all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "digests_to_hashes"]
+__all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "chain_digests",
+           "digests_to_hashes"]
 
 _U32_LE = np.dtype("<u4")
 _HASH_WORDS = np.dtype(">i8")  # a digest read as big-endian int64 words; the first is the hash
@@ -46,10 +47,13 @@ def digests_to_hashes(digests: bytes) -> list[BlockHash]:
     return np.frombuffer(digests, _HASH_WORDS)[::_DIGEST // 8].tolist()
 
 
-def _chain(buf: bytes, page_bytes: int, first: int, last: int, prior: bytes | None) -> list[bytes]:
+def chain_digests(buf: bytes, page_bytes: int, pages: int, prior: bytes | None) -> list[bytes]:
+    """The digests of the first ``pages`` pages of ``buf`` (uint32 tokens), chained after
+    ``prior`` (None: the first page of a sequence): ``digest_i = SHA-256(digest_{i-1} ||
+    page_i)``."""
     digests = []
     sha = hashlib.sha256
-    for i in range(first, last):
+    for i in range(pages):
         h = sha(prior) if prior is not None else sha()
         h.update(buf[i * page_bytes : (i + 1) * page_bytes])
         prior = h.digest()
@@ -63,7 +67,7 @@ def block_hashes(
     """Event hashes of the full pages of ``tokens``, chained after ``prior_digest``."""
     arr = as_tokens(tokens)
     n = arr.size // page_size
-    return digests_to_hashes(b"".join(_chain(arr.tobytes(), page_size * 4, 0, n, prior_digest)))
+    return digests_to_hashes(b"".join(chain_digests(arr.tobytes(), page_size * 4, n, prior_digest)))
 
 
 class HashedPath:
@@ -173,7 +177,7 @@ class PathHasher:
         prior = base.digest(keep - 1) if base is not None else None
         # Only the new pages are converted to bytes and hashed.
         tail = arr[keep * self.page_size : n * self.page_size].tobytes()
-        new = b"".join(_chain(tail, self.page_size * 4, 0, n - keep, prior))
+        new = b"".join(chain_digests(tail, self.page_size * 4, n - keep, prior))
         new_hashes = digests_to_hashes(new)
         if base is not None:
             # The shared part is copied once: a memoryview slice copies nothing, and one

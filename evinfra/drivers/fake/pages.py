@@ -11,13 +11,12 @@ full input.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 
-from evinfra.core.hashing import as_tokens, digests_to_hashes
+from evinfra.core.hashing import as_tokens, chain_digests, digests_to_hashes
 from evinfra.core.types import BlockHash
 
 __all__ = ["OutputPages"]
@@ -49,7 +48,7 @@ class OutputPages:
                 memo.move_to_end(path[i])
                 break
         buf = as_tokens(tokens[start * page:total * page]).tobytes()
-        digests = _chain(buf, page * 4, total - start, prior)
+        digests = chain_digests(buf, page * 4, total - start, prior)
         if k_in:
             self._remember(path[k_in - 1], digests[k_in - 1 - start] if k_in > start else prior)
         out = digests_to_hashes(b"".join(digests[k_in - start:]))
@@ -64,14 +63,3 @@ class OutputPages:
         if len(self._memo) > _MEMO_ENTRIES:
             self._memo.popitem(last=False)
 
-
-def _chain(buf: bytes, page_bytes: int, pages: int, prior: bytes | None) -> list[bytes]:
-    """SGLang's page chain (``core/hashing.py``): ``digest_i = SHA-256(digest_{i-1} || page_i)``."""
-    out = []
-    sha = hashlib.sha256
-    for i in range(pages):
-        h = sha(prior) if prior is not None else sha()
-        h.update(buf[i * page_bytes:(i + 1) * page_bytes])
-        prior = h.digest()
-        out.append(prior)
-    return out

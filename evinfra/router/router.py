@@ -27,8 +27,8 @@ the old phase, withdraw queued requests) → :meth:`withdrawn` (route again) →
 from __future__ import annotations
 
 import math
-from operator import add, itemgetter
-from typing import Iterable
+from operator import add, attrgetter
+from typing import Iterable, NamedTuple
 
 import msgspec
 import numpy as np
@@ -49,7 +49,6 @@ __all__ = ["DecodeBinding", "Held", "NodeLoad", "Refusal", "Route", "RouteReques
 
 log = structlog.get_logger(__name__)
 
-_FLOOR = itemgetter(13)  # a node's Eq. 7 row: ``floor`` (see ``Router._row``)
 
 
 class PriorModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -132,6 +131,38 @@ class Refusal(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
+class _Row(NamedTuple):
+    """A node's Eq. 7 inputs that no request changes (``Router._row``). The first eleven
+    fields are what each route's arithmetic unpacks, in this order."""
+
+    U: int
+    """Queued uncached tokens of ``Q_n``."""
+    SA: int
+    """``ΣA`` of ``Q_n`` (query-key pairs, Eq. 1)."""
+    SR: int
+    """``Σt_rst`` of ``Q_n``."""
+    c0: float
+    c1: float
+    c2: float
+    c3: float
+    w0: float
+    """The four terms of ``Ŵ_n`` after ``T_rem``: Eq. 1 over the ``⌊U/B⌋`` iterations that
+    hold only earlier tokens."""
+    w1: float
+    w2: float
+    w3: float
+    t_rem_at: float
+    """When the last launched iteration is predicted to end (``T_rem``'s anchor)."""
+    reported: float
+    """The time of the node's last report (-inf: none)."""
+    floor: float
+    """The queue's own iteration time, so ``T̂_n >= T_rem + floor`` for any request (-inf
+    when a coefficient is negative)."""
+
+
+_FLOOR = attrgetter("floor")
+
+
 class _Req:
     __slots__ = ("id", "branch", "path", "t_in", "need", "final", "prefill", "decode", "started",
                  "done", "admitted")
@@ -176,7 +207,7 @@ class _Node:
         # (``Router._row``), built from queue version ``row_q`` and node version ``row_v``;
         # ``version`` moves with the state and the coefficients.
         self.version = 0
-        self.row: tuple = ()
+        self.row: _Row | None = None
         self.row_q = self.row_v = -1
 
 
@@ -361,21 +392,18 @@ class Router:
         """Held requests the prefill strategy lets go now (route them again)."""
         return self.prefill.released(now)
 
-    def _row(self, n: _Node) -> tuple:
-        """``n``'s Eq. 7 inputs that no request changes: ``U``, ``ΣA``, ``Σt_rst``, c0..c3, the
-        four terms of ``Ŵ_n`` after ``T_rem`` (the ``⌊U/B⌋`` iterations before the request),
-        ``T_rem``'s anchor, the state's time (-inf: none) and ``floor``: the queue's own
-        iteration time, so that ``T̂_n >= T_rem + floor`` for any request (every Eq. 7 term
-        grows with the request's work when the coefficients are not negative; -inf when
-        one is). Rebuilt when they move."""
+    def _row(self, n: _Node) -> _Row:
+        """``n``'s :class:`_Row`, rebuilt when its queue, state or coefficients moved.
+        ``floor`` bounds ``T̂_n - T_rem`` from below because every Eq. 7 term grows with the
+        request's work when no coefficient is negative."""
         q, B = n.queue, self.config.ttft.chunk_tokens
         c0, c1, c2, c3 = self._coef.get(n.name, self._prior)
         k = q.U // B
         A_k, R_k = q.first(k * B)
         floor = (c0 * -(-q.U // B) + c1 * q.U + c2 * q.SA + c3 * q.SR
                  if min(c0, c1, c2, c3) >= 0.0 else -math.inf)
-        n.row = (q.U, q.SA, q.SR, c0, c1, c2, c3, c0 * k, c1 * k * B, c2 * A_k, c3 * R_k,
-                 n.t_rem_at, n.state.time if n.state is not None else -math.inf, floor)
+        n.row = _Row(q.U, q.SA, q.SR, c0, c1, c2, c3, c0 * k, c1 * k * B, c2 * A_k, c3 * R_k,
+                     n.t_rem_at, n.state.time if n.state is not None else -math.inf, floor)
         n.row_q, n.row_v = q.version, n.version
         return n.row
 
@@ -404,9 +432,10 @@ class Router:
         own_all, l1_all = match.own, match.own_l1
         rows = [n.row if n.row_q == n.queue.version and n.row_v == n.version else self._row(n)
                 for n in nodes]
-        # T_rem, :meth:`_t_rem`'s rule from the rows (row[11]: its anchor, row[12]: the
-        # report's time): a fresh report's remaining time, never negative; 0 without one.
-        t_rems = [r[11] - now if now - r[12] <= max_age and r[11] > now else 0.0 for r in rows]
+        # T_rem, :meth:`_t_rem`'s rule from the rows: a fresh report's remaining time, never
+        # negative; 0 without one.
+        t_rems = [r.t_rem_at - now if now - r.reported <= max_age and r.t_rem_at > now else 0.0
+                  for r in rows]
         out: list[tuple[float, int, float, int, int, int, int] | None] = [None] * len(nodes)
         order: Iterable[int] = range(len(nodes))
         bounds: list[float] = []

@@ -250,7 +250,7 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
         # Each node's floor bounds its T̂ from below, so the nodes a bound rules out are
         # never within the margin of the least T̂; those computed are the same rows.
         for n, e in zip(eligible, got):
-            assert r._t_rem(n, now) + n.row[13] <= e[0]
+            assert r._t_rem(n, now) + n.row.floor <= e[0]
         lo = min(e[0] for e in got)
         for margin in (0.0, 2e-9, 0.01, 0.1):
             near = r._estimates(_Req("q", "b", step.path, tokens.size, 0, False), eligible,

@@ -80,38 +80,34 @@ class HostEvictionOrder:
             else:
                 zero[h] = None
 
-    def split_held(self, blocks: Iterable[BlockHash]) -> tuple[list[BlockHash], list[BlockHash]]:
-        """The blocks this order holds (in host memory) and the others, each list in the
-        given order."""
-        zero, pos = self._zero, self._pos
-        held: list[BlockHash] = []
-        rest: list[BlockHash] = []
-        for h in blocks:
-            (held if h in zero or h in pos else rest).append(h)
-        return held, rest
-
     def remove(self, block: BlockHash) -> None:
         self._zero.pop(block, None)
         self._pos.pop(block, None)
 
-    def apply_hints(self, delta: HintDelta) -> None:
+    def apply_hints(self, delta: HintDelta,
+                    arrange: Callable[[list[BlockHash]], list[BlockHash]] | None = None) -> None:
         """Regroup the blocks whose count crossed zero, keeping their LRU position rank.
 
         A block that changes group joins the other group as its most recent entry: its
         exact recency relative to that group is unknown to an O(1) structure, and the
-        order between groups, the part the paper's rule is about, is exact.
-        """
+        order between groups, the part the paper's rule is about, is exact. ``arrange``
+        orders each batch of moving blocks (given in hint order) before it joins its group.
+
+        Most hinted blocks are not in host memory (a branch's context counted on a node
+        before its KV arrives, or still in GPU memory there): the positive set takes them
+        in one C loop, and only the blocks that change group are visited one by one."""
         zero, pos = self._zero, self._pos
-        for h in delta.positive:
-            self.positive.add(h)
-            if self.count_aware and h in zero:
+        self.positive.update(delta.positive)
+        if self.count_aware:
+            moving = list(filter(zero.__contains__, delta.positive))
+            for h in arrange(moving) if arrange is not None and moving else moving:
                 del zero[h]
                 pos[h] = None
-        for h in delta.zero:
-            self.positive.discard(h)
-            if h in pos:
-                del pos[h]
-                zero[h] = None
+        self.positive.difference_update(delta.zero)
+        moving = list(filter(pos.__contains__, delta.zero))
+        for h in arrange(moving) if arrange is not None and moving else moving:
+            del pos[h]
+            zero[h] = None
 
     def reset_hints(self, positive: Iterable[BlockHash]) -> None:
         """Replace the positive set wholesale (a resync after a lost connection)."""

@@ -278,14 +278,14 @@ class NodeCache:
         Plain LRU eviction has no groups: the hints change nothing there."""
         if not self._count_aware:
             return
-        self.order.apply_hints(HintDelta(self._leaf_first(delta.positive),
-                                         self._leaf_first(delta.zero)))
+        self.order.apply_hints(delta, self._leaf_first)
 
     def _leaf_first(self, blocks: list[BlockHash]) -> list[BlockHash]:
+        """Host blocks (held) by their segment's access time, deepest first, each segment's
+        blocks from its tail."""
         mine: dict[_Seg, set[BlockHash]] = {}
-        held, rest = self.order.split_held(blocks)
         seg_of = self._seg_of
-        for h in held:
+        for h in blocks:
             seg = seg_of[h]
             chosen = mine.get(seg)
             if chosen is None:
@@ -299,7 +299,7 @@ class NodeCache:
                 out.extend(reversed(seg.hashes))
             else:
                 out.extend(h for h in reversed(seg.hashes) if h in chosen)
-        return out + rest
+        return out
 
     # -- eviction ---------------------------------------------------------------------------
 

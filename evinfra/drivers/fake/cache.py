@@ -390,9 +390,9 @@ class NodeCache:
             for h in batch:
                 seg = held.pop(h)
                 seg.hashes.pop()
-                order.remove(h)
                 if not seg.hashes:
                     del seg.parent.children[h]
+            order.remove_all(batch)
             self.l2_blocks -= len(batch)
             removed.extend(batch)
         if removed:
@@ -403,9 +403,7 @@ class NodeCache:
         self.order.touch_all(reversed(seg.hashes))
 
     def _order_remove(self, seg: _Seg) -> None:
-        remove = self.order.remove
-        for h in seg.hashes:
-            remove(h)
+        self.order.remove_all(seg.hashes)
 
     # -- tree surgery -----------------------------------------------------------------------
 

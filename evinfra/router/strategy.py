@@ -128,6 +128,8 @@ class TTFTStrategy(Stateless):
         # only those are estimated (others are ruled out by a bound) and rounded.
         estimates = view.t_hats(2e-9)
         near = [(i, e) for i, e in enumerate(estimates) if e is not None]
+        if len(near) == 1:  # the bound ruled every other node out: nothing is tied
+            return view.predict(nodes[near[0][0]])
         lo = min(t for _, (t, _) in near)
         least = round(lo, 9)
         tied = [(i, own) for i, (t, own) in near if t - lo <= 2e-9 and round(t, 9) == least]

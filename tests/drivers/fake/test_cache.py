@@ -105,6 +105,28 @@ def test_plain_lru_for_baselines_evicts_the_oldest() -> None:
     assert _host_order_case(count_aware=False) == [3, 2, 1]
 
 
+def test_regrouped_host_blocks_join_their_group_oldest_segment_first_leaves_first() -> None:
+    """Blocks a hint moves between the host groups are ordered by their segment's access
+    time, each segment from its tail, so that eviction stays leaf-first; blocks in GPU
+    memory or not held stay out of the host order."""
+    c, _ = cache(6, 20)
+    a, b, x = [1, 2, 3], [7, 8, 9], [20, 21, 22, 23, 24, 25]
+    c.insert(a, 3, toks(a), 1.0)
+    c.insert(b, 3, toks(b), 2.0)
+    c.insert(x, 6, toks(x), 3.0)  # a and b leave L1: host-only now
+    assert list(c.order.victims()) == [3, 2, 1, 9, 8, 7]
+    c.apply_hints(HintDelta(positive=[7, 8, 9, 1, 2, 3, 20, 99], zero=[]))
+    assert list(c.order.victims()) == [3, 2, 1, 9, 8, 7]  # all in the positive group
+    assert c.order.positive == {1, 2, 3, 7, 8, 9, 20, 99}
+    c.apply_hints(HintDelta(positive=[], zero=[9, 3, 1, 2, 7, 8, 20]))
+    assert list(c.order.victims()) == [3, 2, 1, 9, 8, 7]
+    c.apply_hints(HintDelta(positive=[9, 8, 7], zero=[]))
+    assert list(c.order.victims()) == [3, 2, 1, 9, 8, 7]
+    c.apply_hints(HintDelta(positive=[1, 2, 3], zero=[7, 8, 9]))
+    assert list(c.order.victims()) == [9, 8, 7, 3, 2, 1]
+    c.check_invariants()
+
+
 def test_write_through_failure_leaves_l1_only_blocks_that_eviction_drops() -> None:
     c, ev = cache(4, 2)
     a = [1, 2, 3, 4]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -281,23 +282,18 @@ class NodeCache:
         self.order.apply_hints(delta, self._leaf_first)
 
     def _leaf_first(self, blocks: list[BlockHash]) -> list[BlockHash]:
-        """Host blocks (held) by their segment's access time, deepest first, each segment's
-        blocks from its tail."""
-        mine: dict[_Seg, set[BlockHash]] = {}
-        seg_of = self._seg_of
-        for h in blocks:
-            seg = seg_of[h]
-            chosen = mine.get(seg)
-            if chosen is None:
-                mine[seg] = {h}
-            else:
-                chosen.add(h)
+        """Host blocks (held, distinct) by their segment's access time, deepest first, each
+        segment's blocks from its tail. Blocks are only counted per segment (C loops):
+        usually a whole segment crossed, and its own list is the answer."""
+        count = Counter(map(self._seg_of.__getitem__, blocks))
+        chosen: set[BlockHash] | None = None
         out: list[BlockHash] = []
-        for seg in sorted(mine, key=lambda s: (s.access, -s.depth)):
-            chosen = mine[seg]
-            if len(chosen) == len(seg.hashes):  # the usual case: a whole segment crossed
+        for seg in sorted(count, key=lambda s: (s.access, -s.depth)):
+            if count[seg] == len(seg.hashes):
                 out.extend(reversed(seg.hashes))
             else:
+                if chosen is None:
+                    chosen = set(blocks)
                 out.extend(h for h in reversed(seg.hashes) if h in chosen)
         return out
 

@@ -68,18 +68,17 @@ class HostEvictionOrder:
         self.touch_all((block,))
 
     def touch_all(self, blocks: Iterable[BlockHash]) -> None:
-        """:meth:`touch` each block in turn (one call for a segment)."""
+        """:meth:`touch` each block in turn (one call for a segment). A block's group is
+        the positive set's say (the zero group holds no positive block), so a block costs
+        two lookups, the same whether it is new or held."""
         zero, pos, positive = self._zero, self._pos, self.positive
         aware = self.count_aware
         for h in blocks:
-            if h in zero:
-                zero.move_to_end(h)
-            elif h in pos:
-                pos.move_to_end(h)
-            elif aware and h in positive:
-                pos[h] = None
+            group = pos if aware and h in positive else zero
+            if h in group:
+                group.move_to_end(h)
             else:
-                zero[h] = None
+                group[h] = None
 
     def remove(self, block: BlockHash) -> None:
         self.remove_all((block,))
@@ -130,3 +129,12 @@ class HostEvictionOrder:
             for h in group:
                 if pinned is None or not pinned(h):
                     yield h
+
+    def check_invariants(self) -> None:
+        """Assert each block sits in the group the positive set says (for tests)."""
+        assert self._zero.keys().isdisjoint(self._pos), "a block in both groups"
+        if self.count_aware:
+            assert self.positive.isdisjoint(self._zero), "a positive block in the zero group"
+            assert self.positive.issuperset(self._pos), "a zero-count block in the positive group"
+        else:
+            assert not self._pos, "plain LRU has one group"

@@ -57,3 +57,5 @@ def test_whole_segment_operations_match_one_block_at_a_time() -> None:
                     one.touch(h)
                 many.touch_all(blocks)
             assert list(one.victims()) == list(many.victims())
+            one.check_invariants()
+            many.check_invariants()

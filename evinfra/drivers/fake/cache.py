@@ -501,6 +501,7 @@ class NodeCache:
         assert (l1, l2, locked) == (self.l1_blocks, self.l2_blocks, self.locked_l1)
         assert len(self._seg_of) == blocks, "a held block outside the tree"
         assert len(self.order) == len(host) and all(h in self.order for h in host)
+        self.order.check_invariants()
         assert candidates <= {id(e[3]) for e in self._heap if self._live(e)}, "lost L1 leaf"
         assert 0 <= self.reserved and self.l1_used <= self.l1_capacity
         assert self.l2_used <= self.l2_capacity

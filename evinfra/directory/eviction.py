@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from itertools import repeat
+from itertools import chain, filterfalse, repeat
 from typing import Callable, Container, Iterable, Iterator, Mapping, Sequence
 
 from evinfra.core.types import BlockHash
@@ -84,10 +84,18 @@ class HostEvictionOrder:
         self.remove_all((block,))
 
     def remove_all(self, blocks: Sequence[BlockHash]) -> None:
-        """:meth:`remove` each block (one call for a segment): a ``pop`` pass per group,
-        each a C loop."""
-        for group in (self._zero, self._pos):
-            deque(map(group.pop, blocks, repeat(None)), 0)
+        """:meth:`remove` each block (one call for a segment): a ``pop`` pass over the first
+        block's group, and one over the other unless the first found them all (a segment's
+        blocks usually share a group); each a C loop."""
+        if not blocks:
+            return
+        first, other = self._zero, self._pos
+        if blocks[0] in other:
+            first, other = other, first
+        held = len(first)
+        deque(map(first.pop, blocks, repeat(None)), 0)
+        if held - len(first) < len(blocks):
+            deque(map(other.pop, blocks, repeat(None)), 0)
 
     def apply_hints(self, delta: HintDelta,
                     arrange: Callable[[list[BlockHash]], list[BlockHash]] | None = None) -> None:
@@ -125,10 +133,8 @@ class HostEvictionOrder:
     def victims(self, pinned: Callable[[BlockHash], bool] | None = None) -> Iterator[BlockHash]:
         """Blocks in eviction order, skipping pinned ones. Do not mutate while iterating;
         collect the victims first, then :meth:`remove` them."""
-        for group in (self._zero, self._pos):
-            for h in group:
-                if pinned is None or not pinned(h):
-                    yield h
+        order = chain(self._zero, self._pos)
+        return order if pinned is None else filterfalse(pinned, order)
 
     def check_invariants(self) -> None:
         """Assert each block sits in the group the positive set says (for tests)."""

@@ -47,9 +47,9 @@ def test_whole_segment_operations_match_one_block_at_a_time() -> None:
                 one.apply_hints(delta)
                 many.apply_hints(delta)
             elif rnd.random() < 0.2:
-                for h in blocks:
+                for h in blocks:  # blocks of both groups, held or not
                     one.remove(h)
-                    many.remove(h)
+                many.remove_all(blocks)
             else:
                 if rnd.random() < 0.2:  # a repeated block is touched again, in place
                     blocks += blocks[:2]

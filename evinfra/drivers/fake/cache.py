@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -370,6 +370,7 @@ class NodeCache:
         while len(removed) < blocks:
             taken: dict[_Seg, int] = {}
             batch = []
+            need = blocks - len(removed)
             for h in order.victims():
                 seg = held[h]
                 t = taken.get(seg, 0)
@@ -379,15 +380,16 @@ class NodeCache:
                     continue
                 taken[seg] = t + 1
                 batch.append(h)
-                if len(removed) + len(batch) >= blocks:
+                if len(batch) == need:
                     break
             if not batch:
                 break
-            for h in batch:
-                seg = held.pop(h)
-                seg.hashes.pop()
-                if not seg.hashes:
-                    del seg.parent.children[h]
+            deque(map(held.__delitem__, batch), 0)
+            for seg, t in taken.items():  # each loses its last t blocks
+                hashes = seg.hashes
+                if t == len(hashes):
+                    del seg.parent.children[hashes[0]]
+                del hashes[len(hashes) - t:]
             order.remove_all(batch)
             self.l2_blocks -= len(batch)
             removed.extend(batch)

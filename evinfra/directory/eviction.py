@@ -68,9 +68,9 @@ class HostEvictionOrder:
         self.touch_all((block,))
 
     def touch_all(self, blocks: Iterable[BlockHash]) -> None:
-        """:meth:`touch` each block in turn (one call for a segment). A block's group is
-        the positive set's say (the zero group holds no positive block), so a block costs
-        two lookups, the same whether it is new or held."""
+        """:meth:`touch` each block in turn (one call for a segment). The positive set
+        says which group a block is in or joins (the zero group holds no positive block),
+        so a block costs two lookups, whether it is new or held."""
         zero, pos, positive = self._zero, self._pos, self.positive
         aware = self.count_aware
         for h in blocks:

@@ -50,7 +50,6 @@ __all__ = ["DecodeBinding", "Held", "NodeLoad", "Refusal", "Route", "RouteReques
 log = structlog.get_logger(__name__)
 
 
-
 class PriorModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Eq. 1 coefficients used until the warm-up fit exists (E.3 line 1). Deliberately rough:
     they only have to rank nodes by queued work; the fitted model replaces them."""

@@ -63,12 +63,8 @@ class HostEvictionOrder:
             return self._pos
         return self._zero
 
-    def touch(self, block: BlockHash) -> None:
-        """Insert ``block`` or mark it most recently used."""
-        self.touch_all((block,))
-
     def touch_all(self, blocks: Iterable[BlockHash]) -> None:
-        """:meth:`touch` each block in turn (one call for a segment). The positive set
+        """Insert each block, or mark it most recently used, in turn. The positive set
         says which group a block is in or joins (the zero group holds no positive block),
         so a block costs two lookups, whether it is new or held."""
         zero, pos, positive = self._zero, self._pos, self.positive
@@ -80,11 +76,8 @@ class HostEvictionOrder:
             else:
                 group[h] = None
 
-    def remove(self, block: BlockHash) -> None:
-        self.remove_all((block,))
-
     def remove_all(self, blocks: Sequence[BlockHash]) -> None:
-        """:meth:`remove` each block (one call for a segment): a ``pop`` pass over the first
+        """Take the blocks out of the order, held or not: a ``pop`` pass over the first
         block's group, and one over the other unless the first found them all (a segment's
         blocks usually share a group); each a C loop."""
         if not blocks:
@@ -109,18 +102,23 @@ class HostEvictionOrder:
         Most hinted blocks are not in host memory (a branch's context counted on a node
         before its KV arrives, or still in GPU memory there): the positive set takes them
         in one C loop, and only the blocks that change group are visited one by one."""
-        zero, pos = self._zero, self._pos
         self.positive.update(delta.positive)
         if self.count_aware:
-            moving = list(filter(zero.__contains__, delta.positive))
-            for h in arrange(moving) if arrange is not None and moving else moving:
-                del zero[h]
-                pos[h] = None
+            self._move(delta.positive, self._zero, self._pos, arrange)
         self.positive.difference_update(delta.zero)
-        moving = list(filter(pos.__contains__, delta.zero))
-        for h in arrange(moving) if arrange is not None and moving else moving:
-            del pos[h]
-            zero[h] = None
+        self._move(delta.zero, self._pos, self._zero, arrange)
+
+    @staticmethod
+    def _move(blocks: list[BlockHash], src: OrderedDict[BlockHash, None],
+              dst: OrderedDict[BlockHash, None],
+              arrange: Callable[[list[BlockHash]], list[BlockHash]] | None) -> None:
+        """The blocks ``src`` holds join ``dst`` as its newest, in ``arrange``'s order."""
+        moving = list(filter(src.__contains__, blocks))
+        if arrange is not None and moving:
+            moving = arrange(moving)
+        for h in moving:
+            del src[h]
+            dst[h] = None
 
     def reset_hints(self, positive: Iterable[BlockHash]) -> None:
         """Replace the positive set wholesale (a resync after a lost connection)."""
@@ -132,7 +130,7 @@ class HostEvictionOrder:
 
     def victims(self, pinned: Callable[[BlockHash], bool] | None = None) -> Iterator[BlockHash]:
         """Blocks in eviction order, skipping pinned ones. Do not mutate while iterating;
-        collect the victims first, then :meth:`remove` them."""
+        collect the victims first, then :meth:`remove_all` them."""
         order = chain(self._zero, self._pos)
         return order if pinned is None else filterfalse(pinned, order)
 

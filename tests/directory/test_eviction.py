@@ -12,15 +12,15 @@ def test_engine_order_follows_hints() -> None:
     o = HostEvictionOrder()
     o.apply_hints(HintDelta(positive=[2, 9], zero=[]))  # 9 is not stored yet
     for h in (1, 2, 3):
-        o.touch(h)
+        o.touch_all((h,))
     assert list(o.victims()) == [1, 3, 2]
-    o.touch(9)
-    o.touch(1)
+    o.touch_all((9,))
+    o.touch_all((1,))
     assert list(o.victims()) == [3, 1, 2, 9]
     o.apply_hints(HintDelta(positive=[3], zero=[2]))
     assert list(o.victims()) == [1, 2, 9, 3]
     assert list(o.victims(pinned=lambda h: h == 1)) == [2, 9, 3]
-    o.remove(2)
+    o.remove_all((2,))
     assert 2 not in o and len(o) == 3
     o.reset_hints([1])
     assert list(o.victims()) == [9, 3, 1]
@@ -30,7 +30,7 @@ def test_plain_lru_for_baselines_ignores_hints() -> None:
     o = HostEvictionOrder(count_aware=False)
     o.apply_hints(HintDelta(positive=[1], zero=[]))
     for h in (1, 2):
-        o.touch(h)
+        o.touch_all((h,))
     assert list(o.victims()) == [1, 2]
 
 
@@ -48,13 +48,13 @@ def test_whole_segment_operations_match_one_block_at_a_time() -> None:
                 many.apply_hints(delta)
             elif rnd.random() < 0.2:
                 for h in blocks:  # blocks of both groups, held or not
-                    one.remove(h)
+                    one.remove_all((h,))
                 many.remove_all(blocks)
             else:
                 if rnd.random() < 0.2:  # a repeated block is touched again, in place
                     blocks += blocks[:2]
                 for h in blocks:
-                    one.touch(h)
+                    one.touch_all((h,))
                 many.touch_all(blocks)
             assert list(one.victims()) == list(many.victims())
             one.check_invariants()

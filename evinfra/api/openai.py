@@ -28,6 +28,7 @@ from evinfra.service import Service, Submission
 __all__ = ["OpenAIRoutes"]
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
 _ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 
 
@@ -71,7 +72,11 @@ def _hints(request: web.Request, body: AgentHints | None) -> AgentHints:
     h = request.headers
     branch = h.get("X-Evinfra-Branch-Id") or h.get("X-Dynamo-Session-ID")
     parent = h.get("X-Evinfra-Parent-Branch-Id") or h.get("X-Dynamo-Parent-Session-ID")
-    final = (h.get("X-Evinfra-Branch-Final") or h.get("X-Dynamo-Session-Final") or "").lower()
+    name = "X-Evinfra-Branch-Final" if "X-Evinfra-Branch-Final" in h else "X-Dynamo-Session-Final"
+    final = h.get(name, "").strip().lower()
+    if final not in _TRUE and final not in _FALSE:
+        # A typo must not read as "false": the branch's counts would outlive it.
+        raise RequestError(f"{name} must be true or false, not {h[name]!r}", param=name)
     if body is not None:
         return AgentHints(body.branch_id or branch, body.parent_branch_id or parent,
                           body.final or final in _TRUE)

@@ -83,6 +83,23 @@ async def test_bad_split_requests(client):
     await expect(client, "/v1/evinfra/split", body(prefil=["n0"]), 400)
 
 
+@pytest.mark.parametrize("header", ["X-Evinfra-Branch-Final", "X-Dynamo-Session-Final"])
+async def test_a_branch_final_flag_must_say_true_or_false(client, service, header):
+    """A typo in the final flag is refused, not read as "false" (which would keep the
+    branch's counts after its end); nothing is submitted."""
+    before = service.router.in_flight()
+    headers = {"Content-Type": "application/json", "X-Evinfra-Branch-Id": "agent-x",
+               header: "ture"}
+    err = await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, max_tokens=2), 400,
+                       param=header, headers=headers)
+    assert "'ture'" in err["message"]
+    assert service.router.in_flight() == before and "agent-x" not in service.directory.branches
+    for value in ("TRUE", "1", "no", ""):
+        r = await client.post(CHAT, json={"model": "evinfra-fake", "messages": MSG,
+                                          "max_tokens": 2}, headers={**headers, header: value})
+        assert r.status == 200, await r.text()
+
+
 async def test_the_server_still_serves_after_all_that(client):
     await test_malformed_json(client)
     await test_oversized_body(client)

@@ -128,8 +128,8 @@ class Service:
         self._decoding = 0
         self._tick: Timer | None = None
         self.fake_cluster = None  # the fake engines, when from_config built them
-        self.counters = {"submitted": 0, "ok": 0, "failed": 0, "refused": 0, "rerouted": 0,
-                         "timeouts": 0, "switches": 0}
+        self.counters = {"submitted": 0, "ok": 0, "failed": 0, "aborted": 0, "refused": 0,
+                         "rerouted": 0, "timeouts": 0, "switches": 0}
         self._subscribe()
 
     @classmethod
@@ -412,8 +412,8 @@ class Service:
         if status == "ok":
             self.counters["ok"] += 1
             self.planner.observe_request(now, f.computed, f.cached, f.out)
-        else:
-            self.counters["failed"] += 1
+        else:  # a client that went away is not a failure of the cluster
+            self.counters["aborted" if status == "aborted" else "failed"] += 1
         if f.end_branch and f.branch in self.directory.branches:
             self.directory.end(f.branch)
         self._flush_hints()

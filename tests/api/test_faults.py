@@ -64,3 +64,23 @@ async def test_a_stalled_node_trips_a_timeout(client, service):
     assert loop.time() - t0 < 3
     engine(service, "n0").resume()
     assert (await completion(client, "unstuck")).status == 200
+
+
+@pytest.mark.parametrize("config_overrides", [{"fake": {"d0": 0.02}}])
+async def test_a_client_that_goes_away_mid_stream_aborts_its_request(client, service):
+    """The request stops on its engines and is counted as aborted, not as a failure of the
+    cluster; the next request is served."""
+    resp = await completion(client, "a long story " * 20, max_tokens=400, stream=True)
+    assert resp.status == 200
+    await resp.content.readline()  # the first chunk: the request is decoding
+    resp.close()
+    for _ in range(200):
+        if not service._flights:
+            break
+        await asyncio.sleep(0.01)
+    assert not service._flights
+    assert service.counters["aborted"] == 1 and service.counters["failed"] == 0
+    assert not any(e._decodes or e._prefills for e in service.fake_cluster.engines.values())
+    r = await completion(client, "still serving")
+    assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 8
+    assert service.counters["ok"] == 1

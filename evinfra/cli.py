@@ -101,6 +101,17 @@ def _replay(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _port(text: str) -> int:
+    """``--port``: what the config's ``server.port`` accepts (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0: any free port)")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     from evinfra.baselines import POLICIES
     from evinfra.logs import configure_logging
@@ -110,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="run the control plane with its HTTP API")
     s.add_argument("--config", required=True, help="TOML config (etc/cluster.toml)")
     s.add_argument("--host", default=None)
-    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--port", type=_port, default=None)
     s.add_argument("--policy", choices=POLICIES,
                    help="the system to run (default: the config's [policy] name)")
     s.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
@@ -163,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except EvinfraError as exc:
         print(f"evinfra: error: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file named on the command line or in the config
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"evinfra: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

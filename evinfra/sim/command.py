@@ -126,6 +126,11 @@ def with_policy(config: Config, name: str | None) -> Config:
 def run(args: argparse.Namespace) -> int:
     config = with_policy(load_config(args.config), args.policy)
     workloads, spec, load = build(args, config)
+    out = Path(args.out)
+    try:  # before the run, which may take an hour, not after it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the report to {out}: {exc.strerror}") from None
     result = simulate(config, workloads, spec, _progress(args.no_progress))
     start, end = spec.warmup, spec.warmup + spec.duration
     summary = summarise(result.records, start, end)
@@ -138,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     report = Report(RunInfo(spec.label, config.policy.name, args.seed, spec.warmup, spec.duration,
                             nodes, f"{p}P{nodes - p}D", load),
                     summary, result.control.summarise(start, end), by)
-    write_report(Path(args.out), report, result.records, result.wall_seconds)
+    write_report(out, report, result.records, result.wall_seconds)
     s = summary
     print(f"{spec.label}: {s.requests} requests, {s.throughput:.3g} req/s, E2E mean {s.e2e.mean:.3g} s, "
           f"TTFT P95 {s.ttft.p95:.3g} s, lost KV reuse {100 * s.lost_kv_reuse:.2f} %, "

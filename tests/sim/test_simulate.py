@@ -82,11 +82,31 @@ def test_the_planner_decides_in_simulated_windows(config, tmp_path):
     assert r["control"]["final_split"].endswith("D")
 
 
-def test_bad_arguments_are_one_line_errors(config, tmp_path, capsys):
+def test_bad_arguments_are_one_line_errors(config, tmp_path, capsys, monkeypatch):
     assert main(["simulate", "--config", str(config), "--workload", "nope", "--agents", "3",
                  "--out", str(tmp_path)]) == 2
     assert main(["simulate", "--config", str(config), "--workload", "cc", "--out", str(tmp_path)]) == 2
     assert main(["simulate", "--config", str(tmp_path / "missing.toml"), "--workload", "cc",
                  "--agents", "3", "--out", str(tmp_path)]) == 2
+    # Files: a missing trace, and an output path that cannot be a directory (checked
+    # before the run, not after it).
+    assert main(["simulate", "--config", str(config), "--trace", str(tmp_path / "none.jsonl"),
+                 "--format", "mooncake", "--duration", "10", "--out", str(tmp_path)]) == 2
+    (tmp_path / "a-file").write_text("")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("simulated before checking where the report goes")
+
+    monkeypatch.setattr("evinfra.sim.command.simulate", no_run)
+    assert main(["simulate", "--config", str(config), "--workload", "cc", "--agents", "3",
+                 "--duration", "60", "--out", str(tmp_path / "a-file"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("evinfra: error:") for line in err)
+    assert len(err) == 5 and all(line.startswith("evinfra: error:") for line in err)
+    assert "none.jsonl" in err[3] and "a-file" in err[4]
+
+
+def test_serve_refuses_a_port_out_of_range(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--config", "etc/cluster.toml", "--port", "99999"])
+    assert exit_.value.code == 2
+    assert "--port: 99999 is not a port" in capsys.readouterr().err

@@ -4,12 +4,20 @@ Each engine runs ``python -m sglang.launch_server`` from the separate SGLang ven
 ``scripts/install-sglang-cpu.sh``) in its own process group, so stopping it kills the scheduler
 and detokenizer children too. Flags are the verified CPU recipe of ``shared/sglang-cpu.md``;
 every port is picked free on 127.0.0.1 and every socket binds loopback only.
+
+Ports: an engine binds its HTTP port only at the end of its start (half a minute on 2 cores),
+so a port picked by ``bind(0)`` could meanwhile become the source port of some outgoing
+connection: both come from the kernel's ephemeral range. Ports are therefore picked below that
+range, between the windows where the engines pick their own (Mooncake's transfer engine
+15000-17000, SGLang's NCCL port 22000-29999); an engine that still finds a port taken starts
+again on new ones.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,7 +53,24 @@ def sglang_python() -> Path:
     return venv / "bin" / "python"
 
 
+_PICK = random.SystemRandom()  # not the global generator, which a test may seed
+_PORTS = (17001, 22000)  # see the module docstring
+
+
 def free_port() -> int:
+    """A port free now on 127.0.0.1, below the ephemeral range (see the module docstring)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    ports = range(_PORTS[0], min(_PORTS[1], ephemeral))
+    for port in _PICK.sample(ports, min(64, len(ports))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -68,11 +93,15 @@ class Engine:
         self.extra_env = dict(env or {})
         self.max_total_tokens = max_total_tokens
         self.log_path = log_dir / f"sglang-{name}.log"
+        self._pick_ports()
+        self._log_start = 0  # where the last start's output begins in the log
+        self.proc: subprocess.Popen | None = None
+
+    def _pick_ports(self) -> None:
         self.port = free_port()
         self.kv_port = free_port()
         self.replay_port = free_port()
         self.bootstrap_port = free_port()
-        self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -113,6 +142,7 @@ class Engine:
             env["EVINFRA_ENGINE_PATCH"] = "1"
         env.update(self.extra_env)
         log = open(self.log_path, "ab")
+        self._log_start = log.tell()
         log.write(f"\n=== start {self.name} ({self.role}) at {time.ctime()}\n".encode())
         log.flush()
         # A new session: the engine and the children it forks form one process group that
@@ -125,12 +155,23 @@ class Engine:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_ready(self, timeout: float = 240.0) -> None:
+    def wait_ready(self, timeout: float = 240.0, restarts: int = 2) -> None:
+        """Wait for ``/health``; an engine that could not bind one of its ports (it stays up,
+        serving nothing) is started again on new ports, at most ``restarts`` times."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"SGLang engine {self.name} exited during start; see "
                                    f"{self.log_path}:\n{self.log_tail()}")
+            if restarts and self._port_taken():
+                print(f"warning: SGLang engine {self.name} found a port taken; starting it "
+                      f"again on new ports", file=sys.stderr)
+                self.stop()
+                self._pick_ports()
+                self.start()
+                restarts -= 1
+                deadline = time.monotonic() + timeout
+                continue
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -170,6 +211,14 @@ class Engine:
             os.killpg(self.proc.pid, sig)  # the group id is the leader's pid (new session)
         except ProcessLookupError:
             pass
+
+    def _port_taken(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return b"address already in use" in f.read()
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from evinfra.config import load_config
+from evinfra.errors import ConfigError
 from evinfra.experiments import EXPERIMENTS
 from evinfra.experiments.report import write
 from evinfra.experiments.runs import RunOutcome, RunPlan, run_plans
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     out = Path(args.out or f"runs/{args.name}{'-quick' if args.quick else ''}")
     plans = experiment.plans(config, scale, args.seed)
+    if args.only is not None and not any(fnmatch.fnmatch(p.key, args.only) for p in plans):
+        raise ConfigError(f"--only {args.only!r} matches no run of {args.name}; its runs: "
+                          f"{', '.join(p.key for p in plans)}")
     saved = out / "runs"
     runs = _earlier(saved, plans)
     todo = [p for p in plans if p.key not in runs

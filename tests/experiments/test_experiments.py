@@ -68,6 +68,10 @@ def test_the_command_saves_each_run_and_resumes(tmp_path, capsys) -> None:
     assert "1 done earlier, 2 to play" in second and "not played" not in second
     assert (out / "runs" / "thunderagent.json").exists()
     assert {"results.json", "results.md", "tableD4.png"} <= {f.name for f in out.iterdir()}
+    # A pattern that names no run is a typo, not an empty experiment.
+    assert main(args + ["--only", "thunderbolt*"]) == 2
+    err = capsys.readouterr().err
+    assert "--only 'thunderbolt*' matches no run of tableD4" in err and "thunderagent" in err
 
 
 def test_fig7_micro_compares_with_dynamo_and_the_best_static_split(tmp_path) -> None:

@@ -571,14 +571,15 @@ class Service:
                             l2_used=state.l2_used, l2_capacity=state.l2_capacity,
                             reported_at=state.time)
             nodes[n] = view
+        c = sorted(n for n in self.nodes if self.router.phase(n) is Phase.COLLOCATED)
+        # "6P3D"; "9C" during the collocated warm-up (not "0P0D")
+        label = "".join(f"{k}{x}" for k, x in ((len(p), "P"), (len(d), "D"), (len(c), "C")) if k)
         return {
             "time": self.clock.now(),
             "policy": {"name": self.config.policy.name,
                        **{k: v for k, v in msgspec.to_builtins(self.policy).items()
                           if k != "about"}},
-            "split": {"prefill": p, "decode": d, "label": f"{len(p)}P{len(d)}D",
-                      "collocated": sorted(n for n in self.nodes
-                                           if self.router.phase(n) is Phase.COLLOCATED),
+            "split": {"prefill": p, "decode": d, "label": label, "collocated": c,
                       "switching": {n: ph.value for n, ph in self._switching.items()}},
             "warming_up": self.planner.warming_up,
             "warmup_until": self.planner.warmup_end,

@@ -1,0 +1,20 @@
+"""``GET /v1/evinfra/status``: the split as operators read it."""
+
+import asyncio
+
+
+async def split(client):
+    return (await (await client.get("/v1/evinfra/status")).json())["split"]
+
+
+async def test_the_split_label_says_collocated_during_the_warm_up(client):
+    s = await split(client)
+    assert s["label"] == "4C" and s["collocated"] == ["n0", "n1", "n2", "n3"]
+    r = await client.post("/v1/evinfra/split", json={"prefill": ["n0", "n1"]})
+    assert r.status == 200 and (await r.json())["split"] == "2P2D"
+    for _ in range(200):
+        s = await split(client)
+        if not s["switching"]:
+            break
+        await asyncio.sleep(0.01)
+    assert s["label"] == "2P2D" and s["collocated"] == [] and s["decode"] == ["n2", "n3"]

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from evinfra.core.events import RequestDone, SplitChanged
+from evinfra.core.types import Phase
 from evinfra.service import Service
 
 __all__ = ["Metrics"]
@@ -78,6 +79,7 @@ class _ClusterCollector:
         g = GaugeMetricFamily("evinfra_split_nodes", "Nodes per phase", labels=["phase"])
         g.add_metric(["prefill"], len(p))
         g.add_metric(["decode"], len(d))
+        g.add_metric(["collocated"], sum(router.phase(n) is Phase.COLLOCATED for n in s.nodes))
         yield g
         yield GaugeMetricFamily("evinfra_in_flight", "Requests in flight", value=s.in_flight())
         tree = s.directory.tree

@@ -10,6 +10,8 @@ async def split(client):
 async def test_the_split_label_says_collocated_during_the_warm_up(client):
     s = await split(client)
     assert s["label"] == "4C" and s["collocated"] == ["n0", "n1", "n2", "n3"]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'evinfra_split_nodes{phase="collocated"} 4.0' in metrics
     r = await client.post("/v1/evinfra/split", json={"prefill": ["n0", "n1"]})
     assert r.status == 200 and (await r.json())["split"] == "2P2D"
     for _ in range(200):

@@ -44,6 +44,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """A running request that produces nothing for this long fails with 504."""
     shutdown_grace_s: NonNegFloat = 30.0
     """On SIGTERM: stop accepting, let in-flight requests finish this long, fail the rest."""
+    branch_idle_s: PosFloat | None = 7200.0
+    """An agent branch with no request for this long is ended, its KV counts released, as if
+    its harness had reported the end (one that never does would hold them, and the branch's
+    last context, for ever). Longer than any tool or user pause worth keeping KV for."""
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -19,6 +19,7 @@ a request that cannot go on fails on its own sink.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Mapping, Protocol, Sequence
 
 import msgspec
@@ -127,9 +128,14 @@ class Service:
         self._switching: dict[NodeId, Phase] = {}
         self._decoding = 0
         self._tick: Timer | None = None
+        # Named branches by the time they were last active, least recent first, and their
+        # requests in flight (``server.branch_idle_s``).
+        self._idle_since: dict[BranchId, float] = {}
+        self._active: Counter[BranchId] = Counter()
+        self._sweep: Timer | None = None
         self.fake_cluster = None  # the fake engines, when from_config built them
         self.counters = {"submitted": 0, "ok": 0, "failed": 0, "aborted": 0, "refused": 0,
-                         "rerouted": 0, "timeouts": 0, "switches": 0}
+                         "rerouted": 0, "timeouts": 0, "switches": 0, "branches_expired": 0}
         self._subscribe()
 
     @classmethod
@@ -163,6 +169,8 @@ class Service:
             self._on_tick()  # no warm-up: the initial split serves from the start
         else:
             self._schedule_tick()
+        if self.config.server.branch_idle_s is not None:
+            self._schedule_sweep()
         log.info("service_started", nodes=len(self.nodes), policy=self.config.policy.name,
                  warmup_until=self.planner.warmup_end,
                  initial_split=f"{len(self.initial_prefill)}P{len(self.nodes) - len(self.initial_prefill)}D")
@@ -173,6 +181,8 @@ class Service:
         self._stopping = True
         if self._tick is not None:
             self._tick.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
         for f in list(self._flights.values()):
             self._fail(f, EngineError(f.prefill or "-", "the service is shutting down"))
         for d in self.drivers.values():
@@ -203,11 +213,16 @@ class Service:
         if isinstance(decision, Refusal):
             self.counters["refused"] += 1
             self.router.finished(rid, now)
-            if sub.branch is None and branch in self.directory.branches:
-                self.directory.end(branch)
+            if branch in self.directory.branches:
+                if sub.branch is None:
+                    self.directory.end(branch)
+                elif not self._active[branch]:
+                    self._idle_since.pop(branch, None)
+                    self._idle_since[branch] = now
             raise NoNodeError(decision.phase, decision.reason)
         self.counters["submitted"] += 1
         self._flights[rid] = f
+        self._active[branch] += 1
         if isinstance(decision, Held):
             self._held[rid] = f
         else:
@@ -228,13 +243,14 @@ class Service:
 
     def end_branch(self, branch: BranchId) -> None:
         """The harness says the branch is over (``POST /v1/branches/{id}/end``)."""
-        if any(f.branch == branch for f in self._flights.values()):
+        if self._active[branch]:
             # Its counts must outlive the request in flight: end it when that one finishes.
             for f in self._flights.values():
                 if f.branch == branch:
                     f.end_branch = True
             return
         self.directory.end(branch)
+        self._idle_since.pop(branch, None)
         self._flush_hints()
 
     def _dispatch(self, f: _Flight, route: Route) -> None:
@@ -409,13 +425,21 @@ class Service:
             self._set_decoding(self._decoding - 1)
         self._held.pop(f.id, None)
         self.router.finished(f.id, now)
+        self._active[f.branch] -= 1
+        if not self._active[f.branch]:
+            del self._active[f.branch]
         if status == "ok":
             self.counters["ok"] += 1
             self.planner.observe_request(now, f.computed, f.cached, f.out)
         else:  # a client that went away is not a failure of the cluster
             self.counters["aborted" if status == "aborted" else "failed"] += 1
-        if f.end_branch and f.branch in self.directory.branches:
-            self.directory.end(f.branch)
+        if f.end_branch:
+            self._idle_since.pop(f.branch, None)
+            if f.branch in self.directory.branches:
+                self.directory.end(f.branch)
+        elif f.branch in self.directory.branches:
+            self._idle_since.pop(f.branch, None)  # to the back: the most recently active
+            self._idle_since[f.branch] = now
         self._flush_hints()
         self._check_drains()
         record = RequestDone(
@@ -465,6 +489,32 @@ class Service:
     def _flush_hints(self) -> None:
         for node, delta in self.directory.take_all_hints():
             self.drivers[node].push_hints(delta)
+
+    # -- branches their harness forgot ----------------------------------------------------
+
+    def _schedule_sweep(self) -> None:
+        idle = self.config.server.branch_idle_s
+        self._sweep = self.clock.call_at(self.clock.now() + idle / 8, self._sweep_idle)
+
+    def _sweep_idle(self) -> None:
+        """End the branches idle for ``server.branch_idle_s`` (E.2 line 13, on their behalf);
+        a branch is idle from the end of its last request, so one in flight is never ended."""
+        now = self.clock.now()
+        cutoff = now - self.config.server.branch_idle_s
+        due = []
+        for branch, since in self._idle_since.items():
+            if since > cutoff:
+                break
+            due.append((branch, since))
+        for branch, since in due:
+            del self._idle_since[branch]
+            if not self._active[branch] and branch in self.directory.branches:
+                self.directory.end(branch)
+                self.counters["branches_expired"] += 1
+                log.info("branch_expired", branch=branch, idle_s=round(now - since, 3))
+        if due:
+            self._flush_hints()
+        self._schedule_sweep()
 
     # -- the planner and phase switches -----------------------------------------------------
 

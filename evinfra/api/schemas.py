@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible routes, validated once at the edge.
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
-(``user``, ``logit_bias``...); wrong types and out-of-range values are 400s that name the
-field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
+(``user``, ``logit_bias``...), but those that ask for a different answer this server does not
+give (``logprobs``, ``echo``, ``best_of``, ``n`` > 1) are refused; wrong types and
+out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     messages: list[dict[str, object]]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    """Not served, as ``top_logprobs`` (refused): a client asking for them would read an
+    answer without them as one that has them."""
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -58,6 +63,11 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     """Text, token ids, or a one-element list of either (msgspec takes one array type per
     union, so the list's items are checked by the handler)."""
     max_tokens: int | None = 16
+    logprobs: int | None = None
+    """Not served, as ``echo`` and ``best_of`` > 1 (refused): a client asking for them
+    would read an answer without them as one that has them."""
+    echo: bool = False
+    best_of: int | None = None
 
 
 class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

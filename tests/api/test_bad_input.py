@@ -77,6 +77,23 @@ async def test_batched_prompts_and_n_are_refused(client):
     await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, n=2), 400, param="n")
 
 
+@pytest.mark.parametrize("path,field,value", [
+    (CHAT, "logprobs", True), (CHAT, "top_logprobs", 3), ("/v1/completions", "logprobs", 1),
+    ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2)])
+async def test_options_this_server_does_not_serve_are_refused(client, path, field, value):
+    """An answer without the logprobs (or the echo) it was asked for would read as one that
+    has them: refused, where unknown fields are ignored."""
+    what = {"messages": MSG} if path == CHAT else {"prompt": "hi"}
+    err = await expect(client, path, body(model="evinfra-fake", max_tokens=2, **what,
+                                          **{field: value}), 400, param=field)
+    assert "not supported" in err["message"]
+    neutral = {"logprobs": False} if path == CHAT else {"logprobs": None, "echo": False,
+                                                          "best_of": 1}
+    r = await client.post(path, json={"model": "evinfra-fake", "max_tokens": 2, **what,
+                                      "user": "u", **neutral})
+    assert r.status == 200, await r.text()
+
+
 async def test_bad_split_requests(client):
     await expect(client, "/v1/evinfra/split", body(prefill=["n0", "zz"]), 400, param="prefill")
     await expect(client, "/v1/evinfra/split", body(prefill=["n0", "n1", "n2", "n3"]), 400)

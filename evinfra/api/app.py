@@ -17,6 +17,7 @@ import re
 import msgspec
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from evinfra.api.metrics import Metrics
 from evinfra.api.openai import OpenAIRoutes
@@ -78,6 +79,10 @@ async def _errors(request: web.Request, handler):
                       "invalid_request_error")
     except (EvinfraError, msgspec.ValidationError, msgspec.DecodeError) as exc:
         return error_response(exc)
+    except RequestPayloadError as exc:  # a body that does not decompress, or cut short
+        cause = exc.__cause__ or exc
+        return _error(400, f"could not read the request body: {type(cause).__name__}",
+                      "invalid_request_error")
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - one request must not take the server down

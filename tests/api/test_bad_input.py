@@ -1,5 +1,6 @@
 """Bad input gets a 4xx with an OpenAI-style error, never a 5xx, and nothing accepted is lost."""
 
+import gzip
 import json
 
 import pytest
@@ -152,3 +153,15 @@ async def test_return_token_ids_streaming_and_not(client):
         if line.startswith(b"data: {"):
             ids += json.loads(line[6:])["choices"][0].get("token_ids", [])
     assert len(ids) == 6
+
+
+async def test_a_body_that_does_not_decompress_is_a_400(client):
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    # The server drops a connection whose body it could not read: the next request opens
+    # its own.
+    err = await expect(client, CHAT, b"not gzip at all", 400,
+                       headers={**headers, "Connection": "close"})
+    assert "request body" in err["message"]
+    good = gzip.compress(body(model="evinfra-fake", messages=MSG, max_tokens=2))
+    r = await client.post(CHAT, data=good, headers=headers)
+    assert r.status == 200, await r.text()

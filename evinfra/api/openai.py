@@ -129,10 +129,24 @@ class OpenAIRoutes:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model_info)
+
+    def _model(self) -> dict[str, object]:
+        return {"id": self.model.name, "object": "model", "created": 0, "owned_by": "evinfra"}
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model.name, "object": "model", "created": 0, "owned_by": "evinfra"}]})
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}`` (the OpenAI client's ``models.retrieve``)."""
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model())
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model.name:
+            raise RequestError(f"the model {name!r} does not exist; this server serves "
+                               f"{self.model.name!r}", status=404, param="model",
+                               code="model_not_found")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)
@@ -147,10 +161,7 @@ class OpenAIRoutes:
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
                max_tokens: int | None) -> Sampling:
-        if body.model != self.model.name:
-            raise RequestError(f"the model {body.model!r} does not exist; this server serves "
-                               f"{self.model.name!r}", status=404, param="model",
-                               code="model_not_found")
+        self._check_model(body.model)
         if body.n != 1:
             raise RequestError("only n = 1 is supported", param="n")
         unserved = ([("logprobs", body.logprobs), ("top_logprobs", body.top_logprobs)]
@@ -184,7 +195,8 @@ class OpenAIRoutes:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.service.submit(Submission(tokens, sampling, hints.branch_id,
                                        hints.parent_branch_id, hints.final, rid), channel)
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        # An empty stop string would match before any output: it asks for nothing.
+        stops = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
         try:
             prompt = int(tokens.size)
             if body.stream:

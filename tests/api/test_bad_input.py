@@ -59,6 +59,18 @@ async def test_context_too_long(client):
 async def test_unknown_model(client):
     err = await expect(client, CHAT, body(model="gpt-9", messages=MSG), 404, param="model")
     assert err["code"] == "model_not_found"
+    r = await client.get("/v1/models/gpt-9")
+    assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    r = await client.get("/v1/models/evinfra-fake")
+    assert r.status == 200 and (await r.json())["id"] == "evinfra-fake"
+
+
+async def test_an_empty_stop_string_stops_nothing(client):
+    r = await client.post(CHAT, json={"model": "evinfra-fake", "messages": MSG, "max_tokens": 6,
+                                      "ignore_eos": True, "stop": ["", "\u0000never"]})
+    assert r.status == 200, await r.text()
+    out = await r.json()
+    assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["finish_reason"] == "length"
 
 
 async def test_oversized_body(client):

@@ -16,6 +16,8 @@ __all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "SplitReq
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""An int64: SGLang makes a tensor of it, so a larger one would fail in the engine."""
 
 
 class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -40,7 +42,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     top_p: TopP = 1.0
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False
     """Generate exactly ``max_tokens`` (SGLang and vLLM accept it; replay uses it)."""
     evinfra: AgentHints | None = None

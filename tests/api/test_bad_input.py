@@ -36,6 +36,8 @@ async def test_wrong_types(client):
                  param="max_tokens")
     await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, temperature=9), 400,
                  param="temperature")
+    await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, seed=2**64), 400,
+                 param="seed")
     await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=[1, -2, 3]), 400,
                  param="prompt")
     await expect(client, CHAT, body(model="evinfra-fake", messages=[{"role": "robot", "content": "x"}]),

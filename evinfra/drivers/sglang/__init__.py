@@ -37,6 +37,10 @@ def build_drivers(config: "Config", clock: Clock, bus: Bus,
     if missing:
         raise ConfigError(f"nodes {missing} have no url (the engine's HTTP base URL, e.g. "
                           "http://10.0.0.5:30000)", key="cluster.nodes")
+    bad = [n.url for n in config.cluster.nodes if not n.url.startswith(("http://", "https://"))]
+    if bad:  # caught here, not after the discovery's wait on an address it cannot use
+        raise ConfigError(f"node urls {bad} are not http(s) base URLs (e.g. "
+                          "http://10.0.0.5:30000)", key="cluster.nodes")
     pairs = PairBook()
     return {n.name: _Driver(n.name, n.url, clock, bus, pairs, config.cluster.page_size,
                             settings or _Settings())

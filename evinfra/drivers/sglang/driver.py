@@ -618,6 +618,7 @@ class SGLangDriver:
         s = self.settings
         deadline = self.clock.now() + s.discovery_timeout_s
         last: Failure | None = None
+        waited = False
         while True:
             try:
                 bodies = []
@@ -638,6 +639,10 @@ class SGLangDriver:
             if self.clock.now() >= deadline:
                 raise EngineError(self.node, f"not usable at {self.url} after "
                                   f"{s.discovery_timeout_s:g} s: {last.message}")
+            if not waited:  # say once why the start waits (an engine still loading, say)
+                waited = True
+                log.info("sglang_engine_waiting", node=self.node, url=self.url,
+                         reason=last.message, gives_up_in_s=s.discovery_timeout_s)
             await self._sleep(0.5)
 
     def _spawn(self, coro) -> asyncio.Task:

@@ -12,9 +12,11 @@ from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
 from evinfra.core.events import (NodeDown, NodeState, PhaseSwitched, PrefillDone, PrefillStarted,
                                  RequestFailed, TokensOut, Withdrawn)
+from evinfra.core.types import Phase
 from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
 from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
 from evinfra.drivers.sglang.pairs import PairBook
+from evinfra.errors import ConfigError
 
 from test_sglang_wire import LOADS, PATCH_INFO, SERVER_INFO
 
@@ -31,7 +33,7 @@ class FakeEngine:
         self.runner: web.AppRunner | None = None
         self.url = ""
 
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> None:
         app = web.Application()
         info = {**SERVER_INFO, "kv_events": None, "disaggregation_mode": self.role}
         if self.patch is not None:
@@ -53,7 +55,7 @@ class FakeEngine:
         # A stopped engine drops its open streams at once (no graceful wait for handlers).
         self.runner = web.AppRunner(app, shutdown_timeout=0.05)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
         self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
@@ -268,3 +270,32 @@ async def test_an_in_place_switch_does_not_wait_for_a_cache_clear(cluster):
     await until(lambda: of(events, PhaseSwitched, node="p", phase="decode"))
     assert loop.time() - t0 < FAST.clear_wait_s / 2
     assert engines["p"].switches == 1 and drivers["p"].stats["switches"] == 1
+
+
+async def test_an_engine_still_starting_is_waited_for_and_the_wait_is_said_once(
+        unused_tcp_port, logs):
+    """An engine that answers only after a while (loading weights): the start waits for
+    it, and one log line says what it waits for, not one per poll."""
+    engine = FakeEngine("prefill")
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    driver = SGLangDriver("p", url, WallClock(), Bus(), PairBook(), 4, FAST)
+    start = asyncio.ensure_future(driver.start())
+    await asyncio.sleep(0.8)
+    assert not start.done()
+    await engine.start(unused_tcp_port)
+    await asyncio.wait_for(start, 3.0)
+    waits = [e for e in logs if e["event"] == "sglang_engine_waiting"]
+    assert len(waits) == 1 and waits[0]["url"] == url and "unreachable" in waits[0]["reason"]
+    assert driver.phase is Phase.PREFILL
+    await driver.stop()
+    await engine.stop()
+
+
+async def test_node_urls_must_be_http_base_urls():
+    from evinfra.config import parse_config
+    from evinfra.drivers.sglang import build_drivers
+
+    config = parse_config({"cluster": {"driver": "sglang", "initial_prefill": 1, "nodes": [
+        {"name": "a", "url": "localhost:30000"}, {"name": "b", "url": "http://127.0.0.1:1"}]}})
+    with pytest.raises(ConfigError, match=r"\['localhost:30000'\] are not http\(s\) base URLs"):
+        build_drivers(config, WallClock(), Bus())

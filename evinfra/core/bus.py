@@ -37,5 +37,5 @@ class Bus:
                 handler(event)
             except Exception:  # noqa: BLE001 - isolation is the point
                 self.errors += 1
-                log.exception("bus_subscriber_failed", event=type(event).__name__,
+                log.exception("bus_subscriber_failed", event_type=type(event).__name__,
                               handler=getattr(handler, "__qualname__", repr(handler)))

@@ -244,14 +244,18 @@ class Service:
     def end_branch(self, branch: BranchId) -> None:
         """The harness says the branch is over (``POST /v1/branches/{id}/end``)."""
         if self._active[branch]:
-            # Its counts must outlive the request in flight: end it when that one finishes.
-            for f in self._flights.values():
-                if f.branch == branch:
-                    f.end_branch = True
+            self._end_after(branch)
             return
         self.directory.end(branch)
         self._idle_since.pop(branch, None)
         self._flush_hints()
+
+    def _end_after(self, branch: BranchId) -> None:
+        """End ``branch`` when its requests in flight are done: their counts must outlive
+        them (a harness's parallel calls on one branch, or an end reported meanwhile)."""
+        for f in self._flights.values():
+            if f.branch == branch:
+                f.end_branch = True
 
     def _dispatch(self, f: _Flight, route: Route) -> None:
         f.prefill = route.node
@@ -433,7 +437,9 @@ class Service:
             self.planner.observe_request(now, f.computed, f.cached, f.out)
         else:  # a client that went away is not a failure of the cluster
             self.counters["aborted" if status == "aborted" else "failed"] += 1
-        if f.end_branch:
+        if f.end_branch and self._active[f.branch]:
+            self._end_after(f.branch)
+        elif f.end_branch:
             self._idle_since.pop(f.branch, None)
             if f.branch in self.directory.branches:
                 self.directory.end(f.branch)

@@ -1,7 +1,10 @@
 """An agent over HTTP: five appended requests, a fork, a sub-agent, a compaction and branch
 ends leave the directory's counts exactly as Algorithm E.2 says (checked in-process)."""
 
+import asyncio
+
 import numpy as np
+import pytest
 
 from evinfra.api.tokenizer import ByteTokenizer
 from evinfra.core.events import RequestDone
@@ -86,3 +89,26 @@ async def test_agent_scenario_counts(client, service):
     assert r.status == 200
     assert actual_counts(service) == {}
     assert len(service.directory.branches) == 0
+
+
+@pytest.mark.parametrize("config_overrides", [{"fake": {"d0": 0.02}}])
+async def test_a_final_request_ends_its_branch_after_the_branch_s_other_requests(client,
+                                                                                service):
+    """Parallel calls on one branch: the one flagged final finishes first; the branch (and its
+    counts) lives until the other is done, and then it ends."""
+    prompt = "a shared agent context " * 10
+
+    async def call(text, max_tokens, **headers):
+        return await client.post("/v1/completions", json={
+            "model": "evinfra-fake", "prompt": text, "max_tokens": max_tokens,
+            "ignore_eos": True}, headers={"X-Evinfra-Branch-Id": "par", **headers})
+
+    long = asyncio.ensure_future(call(prompt + "think long", 40))
+    await asyncio.sleep(0.1)
+    short = await call(prompt + "answer", 1, **{"X-Evinfra-Branch-Final": "true"})
+    assert short.status == 200
+    assert not long.done() and "par" in service.directory.branches
+    r = await long
+    assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 40
+    assert "par" not in service.directory.branches
+    assert service.bus.errors == 0 and service.counters["ok"] == 2

@@ -305,27 +305,34 @@ class OpenAIRoutes:
         except EvinfraError:
             raise  # nothing sent yet: an ordinary error response
         await resp.prepare(request)
-        if chat:
-            await resp.write(chunk("", None, role=True))
-        item = first
         try:
-            while True:
-                if item[0] == "text":
-                    await resp.write(chunk(item[1], None, ids=item[2]))
-                else:
-                    _, record, finish, ids, rest = item
-                    await resp.write(chunk(None if chat else "", finish, ids=rest))
-                    opts = body.stream_options
-                    if opts is not None and opts.include_usage:
-                        await resp.write(b"data: " + enc({
-                            "id": rid, "object": obj, "created": created, "model": self.model.name,
-                            "choices": [], "usage": self._usage(record, prompt, len(ids))}) + b"\n\n")
-                    break
-                item = await outputs.__anext__()
-        except EvinfraError as exc:
-            # Headers are out: report the error in the stream, as OpenAI does.
-            await resp.write(b"data: " + enc({"error": {
-                "message": exc.message, "type": type(exc).__name__, "code": None}}) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            if chat:
+                await resp.write(chunk("", None, role=True))
+            item = first
+            try:
+                while True:
+                    if item[0] == "text":
+                        await resp.write(chunk(item[1], None, ids=item[2]))
+                    else:
+                        _, record, finish, ids, rest = item
+                        await resp.write(chunk(None if chat else "", finish, ids=rest))
+                        opts = body.stream_options
+                        if opts is not None and opts.include_usage:
+                            usage = self._usage(record, prompt, len(ids))
+                            await resp.write(b"data: " + enc({
+                                "id": rid, "object": obj, "created": created,
+                                "model": self.model.name, "choices": [], "usage": usage})
+                                + b"\n\n")
+                        break
+                    item = await outputs.__anext__()
+            except EvinfraError as exc:
+                # Headers are out: report the error in the stream, as OpenAI does.
+                await resp.write(b"data: " + enc({"error": {
+                    "message": exc.message, "type": type(exc).__name__, "code": None}}) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client went away mid-stream, an everyday event: stop the request and end
+            # the handler without raising (aiohttp would log a traceback per disconnect).
+            self.service.abort(rid)
         return resp

@@ -56,7 +56,9 @@ async def _run_server(config, tokenizer) -> int:
 
     service = Service.from_config(config, WallClock())
     app = build_app(service, tokenizer)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # handler_cancellation: a client that leaves before a non-streamed answer cancels its
+    # handler, which aborts the request on the engines instead of computing it for no one.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     try:

@@ -3,7 +3,8 @@
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``logit_bias``...), but those that ask for a different answer this server does not
 give (``logprobs``, ``echo``, ``best_of``, ``n`` > 1) are refused; wrong types and
-out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
+out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same
+agent hints as the ``X-Evinfra-*`` headers.
 """
 
 from __future__ import annotations

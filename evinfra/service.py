@@ -217,8 +217,7 @@ class Service:
                 if sub.branch is None:
                     self.directory.end(branch)
                 elif not self._active[branch]:
-                    self._idle_since.pop(branch, None)
-                    self._idle_since[branch] = now
+                    self._idle_from(branch, now)
             raise NoNodeError(decision.phase, decision.reason)
         self.counters["submitted"] += 1
         self._flights[rid] = f
@@ -444,8 +443,7 @@ class Service:
             if f.branch in self.directory.branches:
                 self.directory.end(f.branch)
         elif f.branch in self.directory.branches:
-            self._idle_since.pop(f.branch, None)  # to the back: the most recently active
-            self._idle_since[f.branch] = now
+            self._idle_from(f.branch, now)
         self._flush_hints()
         self._check_drains()
         record = RequestDone(
@@ -497,6 +495,13 @@ class Service:
             self.drivers[node].push_hints(delta)
 
     # -- branches their harness forgot ----------------------------------------------------
+
+    def _idle_from(self, branch: BranchId, now: float) -> None:
+        """``branch`` has nothing in flight since ``now``: it goes to the back of the idle
+        order (not kept at all when idle branches are never ended, as in the simulator)."""
+        if self.config.server.branch_idle_s is not None:
+            self._idle_since.pop(branch, None)
+            self._idle_since[branch] = now
 
     def _schedule_sweep(self) -> None:
         idle = self.config.server.branch_idle_s

@@ -164,13 +164,10 @@ class OpenAIRoutes:
         self._check_model(body.model)
         if body.n != 1:
             raise RequestError("only n = 1 is supported", param="n")
-        unserved = ([("logprobs", body.logprobs), ("top_logprobs", body.top_logprobs)]
-                    if isinstance(body, ChatCompletionRequest) else
-                    [("logprobs", body.logprobs is not None), ("echo", body.echo),
-                     ("best_of", (body.best_of or 1) > 1)])
-        for name, asked in unserved:
-            if asked:
-                raise RequestError(f"{name} is not supported by this server", param=name)
+        unserved = body.unserved()
+        if unserved:
+            raise RequestError(f"{unserved[0]} is not supported by this server",
+                               param=unserved[0])
         room = self.model.max_context_tokens - int(tokens.size)
         if max_tokens is None:
             max_tokens = min(room, 4096)

@@ -60,6 +60,11 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     answer without them as one that has them."""
     top_logprobs: int | None = None
 
+    def unserved(self) -> list[str]:
+        """The fields that ask for what this server does not give."""
+        return [f for f, asked in (("logprobs", self.logprobs),
+                                   ("top_logprobs", self.top_logprobs)) if asked]
+
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
     prompt: str | list[int | str | list[int]]
@@ -71,6 +76,11 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     would read an answer without them as one that has them."""
     echo: bool = False
     best_of: int | None = None
+
+    def unserved(self) -> list[str]:
+        """The fields that ask for what this server does not give."""
+        return [f for f, asked in (("logprobs", self.logprobs is not None), ("echo", self.echo),
+                                   ("best_of", (self.best_of or 1) > 1)) if asked]
 
 
 class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

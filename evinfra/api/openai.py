@@ -279,6 +279,9 @@ class OpenAIRoutes:
         obj = "chat.completion.chunk" if chat else "text_completion"
         enc = msgspec.json.encode
 
+        def sse(obj: dict) -> bytes:
+            return b"data: " + enc(obj) + b"\n\n"
+
         def chunk(delta: str | None, finish: str | None, role: bool = False,
                   ids: list[int] | None = None) -> bytes:
             if chat:
@@ -293,40 +296,41 @@ class OpenAIRoutes:
                           "logprobs": None}
             if body.return_token_ids and ids is not None:
                 choice["token_ids"] = ids
-            return b"data: " + enc({"id": rid, "object": obj, "created": created,
-                                    "model": self.model.name, "choices": [choice]}) + b"\n\n"
+            return sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
+                        "choices": [choice]})
 
         outputs = self._outputs(rid, channel, stops)
         try:
             first = await outputs.__anext__()
         except EvinfraError:
             raise  # nothing sent yet: an ordinary error response
-        await resp.prepare(request)
-        try:
+
+        async def events():
+            """The stream after the headers: text chunks, the finish (and usage), [DONE]."""
             if chat:
-                await resp.write(chunk("", None, role=True))
+                yield chunk("", None, role=True)
             item = first
             try:
-                while True:
-                    if item[0] == "text":
-                        await resp.write(chunk(item[1], None, ids=item[2]))
-                    else:
-                        _, record, finish, ids, rest = item
-                        await resp.write(chunk(None if chat else "", finish, ids=rest))
-                        opts = body.stream_options
-                        if opts is not None and opts.include_usage:
-                            usage = self._usage(record, prompt, len(ids))
-                            await resp.write(b"data: " + enc({
-                                "id": rid, "object": obj, "created": created,
-                                "model": self.model.name, "choices": [], "usage": usage})
-                                + b"\n\n")
-                        break
+                while item[0] == "text":
+                    yield chunk(item[1], None, ids=item[2])
                     item = await outputs.__anext__()
+                _, record, finish, ids, rest = item
+                yield chunk(None if chat else "", finish, ids=rest)
+                opts = body.stream_options
+                if opts is not None and opts.include_usage:
+                    yield sse({"id": rid, "object": obj, "created": created,
+                               "model": self.model.name, "choices": [],
+                               "usage": self._usage(record, prompt, len(ids))})
             except EvinfraError as exc:
                 # Headers are out: report the error in the stream, as OpenAI does.
-                await resp.write(b"data: " + enc({"error": {
-                    "message": exc.message, "type": type(exc).__name__, "code": None}}) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+                yield sse({"error": {"message": exc.message, "type": type(exc).__name__,
+                                     "code": None}})
+            yield b"data: [DONE]\n\n"
+
+        await resp.prepare(request)
+        try:
+            async for data in events():
+                await resp.write(data)
             await resp.write_eof()
         except ConnectionResetError:
             # The client went away mid-stream, an everyday event: stop the request and end

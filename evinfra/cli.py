@@ -109,9 +109,13 @@ def _port(text: str) -> int:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0: any free port)")
-    return port
+    from evinfra.config import Port
+
+    try:
+        return msgspec.convert(port, Port)
+    except msgspec.ValidationError:
+        message = f"{port} is not a port (0-65535; 0: any free port)"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def main(argv: list[str] | None = None) -> int:

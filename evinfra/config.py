@@ -24,7 +24,8 @@ from evinfra.errors import ConfigError
 from evinfra.planner.planner import PlannerConfig
 from evinfra.router.router import RouterConfig
 
-__all__ = ["ClusterConfig", "Config", "ModelConfig", "NodeConfig", "ServerConfig", "load_config"]
+__all__ = ["ClusterConfig", "Config", "ModelConfig", "NodeConfig", "Port", "ServerConfig",
+           "load_config"]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 

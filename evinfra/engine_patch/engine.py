@@ -27,7 +27,7 @@ import msgspec
 from evinfra.engine_patch import tree_ops
 from evinfra.engine_patch.eviction import CountAwareHostOrder
 from evinfra.engine_patch.settings import PatchSettings
-from evinfra.engine_patch.switch import SwitchController
+from evinfra.engine_patch.switch import SwitchController, running_requests
 from evinfra.engine_patch.wire import (COUNT_HINTS_PATH, FETCH_ACTION, FETCH_VERSION,
                                        CountHints, PatchInfo, WireError)
 
@@ -125,8 +125,7 @@ class EnginePatch:
         out: dict[str, Any] = {"info": msgspec.to_builtins(self.info()),
                                "role": s.disaggregation_mode.value,
                                "disabled": self.disabled, "time": time.time(),
-                               "running": (len(s.running_batch.reqs) if s.running_batch is not None
-                                           else 0),
+                               "running": running_requests(s),
                                "waiting": len(s.waiting_queue)}
         if self.switch is not None:
             out["switch"] = {"draining": self.switch.draining,

@@ -38,9 +38,17 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["SwitchController", "SwitchRecord"]
+__all__ = ["SwitchController", "SwitchRecord", "running_requests"]
 
 log = logging.getLogger("evinfra.engine_patch.switch")
+
+
+def running_requests(scheduler: Any) -> int:
+    """The requests the scheduler's running batch still decodes. A request that finished in
+    the last step stays in the batch until the next step filters it: counting it would have a
+    switch decided on an idle engine report one running request."""
+    batch = scheduler.running_batch
+    return 0 if batch is None else sum(not r.finished() for r in batch.reqs)
 
 
 class SwitchRecord(msgspec.Struct, frozen=True):
@@ -114,7 +122,7 @@ class SwitchController:
             return answer(False, graph_problem)
         if recv_req.prepare_only:
             return answer(True, "ready")
-        running = len(s.running_batch.reqs) if s.running_batch is not None else 0
+        running = running_requests(s)
         queued = len(s.waiting_queue)
         self.pending = _Pending(recv_req, old, new, running, queued)
         # A second switch request is refused as "in progress" by SGLang's own checks.

@@ -60,6 +60,17 @@ def pair(model_dir, tmp_path_factory):
             e.stop()
 
 
+@pytest.fixture(autouse=True)
+def roles_restored(pair):
+    """Each test starts with ``a`` prefill and ``b`` decode, whatever the one before left (a
+    test that fails between its switches would otherwise fail the next ones too)."""
+    yield
+    for e, want in ((pair["a"], "prefill"), (pair["b"], "decode")):
+        if role(e) != want:
+            code, out, _ = switch(e, want)
+            assert code == 200 and out["success"], out
+
+
 def status(e: Engine) -> dict:
     code, body = http("GET", e.url + "/evinfra/status")
     assert code == 200, body
@@ -240,6 +251,8 @@ def test_a_switch_drains_by_itself_and_keeps_the_cache(pair):
     a, b = pair["a"], pair["b"]
     prompt = tokens(5, 48) + tokens(6, 7)
     base = gen(a, b, prompt, 8)
+    # Finished, though still in b's batch until its next step: not running.
+    assert status(b)["running"] == 0
     long: dict = {}
 
     def run_long():

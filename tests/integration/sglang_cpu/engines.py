@@ -141,6 +141,7 @@ class Engine:
         if self.patch:
             env["EVINFRA_ENGINE_PATCH"] = "1"
         env.update(self.extra_env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)  # a new $EVINFRA_SGLANG_LOGS
         log = open(self.log_path, "ab")
         self._log_start = log.tell()
         log.write(f"\n=== start {self.name} ({self.role}) at {time.ctime()}\n".encode())

@@ -172,8 +172,11 @@ def test_a_client_that_disconnects_is_aborted_quietly(server, stream):
                 part = sock.recv(4096)
                 got += part
             assert b"data: " in got
-        else:
-            time.sleep(0.2)  # the request is running
+        else:  # the request is running
+            deadline = time.monotonic() + 10
+            while not json.loads(get(base + "/v1/evinfra/status")[1])["in_flight"]:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.02)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         status = json.loads(get(base + "/v1/evinfra/status")[1])

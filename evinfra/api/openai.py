@@ -168,6 +168,8 @@ class OpenAIRoutes:
         if unserved:
             raise RequestError(f"{unserved[0]} is not supported by this server",
                                param=unserved[0])
+        if body.top_k == 0 or body.top_k < -1:
+            raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
         room = self.model.max_context_tokens - int(tokens.size)
         if max_tokens is None:
             max_tokens = min(room, 4096)
@@ -182,7 +184,8 @@ class OpenAIRoutes:
                 param="max_tokens", code="context_length_exceeded")
         stop_ids = list(self.tok.eos_token_ids)
         return Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos, stop_ids,
-                        body.seed)
+                        body.seed, body.top_k, body.min_p, body.frequency_penalty,
+                        body.presence_penalty, body.repetition_penalty)
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool) -> web.StreamResponse:

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``logit_bias``...), but those that ask for a different answer this server does not
-give (``logprobs``, ``echo``, ``best_of``, ``n`` > 1) are refused; wrong types and
+give (``logprobs``, ``echo``, ``best_of``, ``n`` > 1, ``logit_bias``) are refused; wrong types and
 out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same
 agent hints as the ``X-Evinfra-*`` headers.
 """
@@ -19,6 +19,10 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 """An int64: SGLang makes a tensor of it, so a larger one would fail in the engine."""
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
+"""1.0 is no penalty (the ranges are OpenAI's and SGLang's)."""
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
 class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,13 +48,21 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     n: int = 1
     stop: str | list[str] | None = None
     seed: Seed | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    """This and ``top_k``, ``min_p``: the extensions SGLang and vLLM accept."""
+    top_k: int = -1
+    """-1: no limit, else at least 1 (checked by the handler: no Meta says "-1 or >= 1")."""
+    min_p: MinP = 0.0
+    logit_bias: dict[str, float] | None = None
+    """Not served (refused when not empty)."""
     ignore_eos: bool = False
     """Generate exactly ``max_tokens`` (SGLang and vLLM accept it; replay uses it)."""
     evinfra: AgentHints | None = None
     return_token_ids: bool = False
     """Add the output token ids to each choice (``token_ids``), as vLLM does: a replay client
     needs them to build the next prompt exactly."""
-
 
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     messages: list[dict[str, object]]
@@ -63,7 +75,8 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     def unserved(self) -> list[str]:
         """The fields that ask for what this server does not give."""
         return [f for f, asked in (("logprobs", self.logprobs),
-                                   ("top_logprobs", self.top_logprobs)) if asked]
+                                   ("top_logprobs", self.top_logprobs),
+                                   ("logit_bias", self.logit_bias)) if asked]
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -80,7 +93,8 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     def unserved(self) -> list[str]:
         """The fields that ask for what this server does not give."""
         return [f for f, asked in (("logprobs", self.logprobs is not None), ("echo", self.echo),
-                                   ("best_of", (self.best_of or 1) > 1)) if asked]
+                                   ("best_of", (self.best_of or 1) > 1),
+                                   ("logit_bias", self.logit_bias)) if asked]
 
 
 class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

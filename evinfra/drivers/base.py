@@ -40,6 +40,12 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     seed: int | None = None
+    top_k: int = -1
+    """-1: no limit."""
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 class PrefillOrder(msgspec.Struct, frozen=True, gc=False):

@@ -38,6 +38,11 @@ async def test_wrong_types(client):
                  param="temperature")
     await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, seed=2**64), 400,
                  param="seed")
+    for field, value in (("frequency_penalty", 2.5), ("presence_penalty", -3),
+                         ("repetition_penalty", 0), ("repetition_penalty", 2.1),
+                         ("min_p", 1.5), ("top_k", 0), ("top_k", -2), ("top_k", 1.5)):
+        await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, **{field: value}),
+                     400, param=field)
     await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=[1, -2, 3]), 400,
                  param="prompt")
     await expect(client, CHAT, body(model="evinfra-fake", messages=[{"role": "robot", "content": "x"}]),
@@ -94,7 +99,8 @@ async def test_batched_prompts_and_n_are_refused(client):
 
 @pytest.mark.parametrize("path,field,value", [
     (CHAT, "logprobs", True), (CHAT, "top_logprobs", 3), ("/v1/completions", "logprobs", 1),
-    ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2)])
+    ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2),
+    (CHAT, "logit_bias", {"50": -100}), ("/v1/completions", "logit_bias", {"50": 5})])
 async def test_options_this_server_does_not_serve_are_refused(client, path, field, value):
     """An answer without the logprobs (or the echo) it was asked for would read as one that
     has them: refused, where unknown fields are ignored."""
@@ -104,6 +110,7 @@ async def test_options_this_server_does_not_serve_are_refused(client, path, fiel
     assert "not supported" in err["message"]
     neutral = {"logprobs": False} if path == CHAT else {"logprobs": None, "echo": False,
                                                           "best_of": 1}
+    neutral["logit_bias"] = {}
     r = await client.post(path, json={"model": "evinfra-fake", "max_tokens": 2, **what,
                                       "user": "u", **neutral})
     assert r.status == 200, await r.text()

@@ -50,7 +50,15 @@ def sampling_params(s: Sampling) -> dict[str, Any]:
         p["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
         p["sampling_seed"] = s.seed
+    # The rest only when asked for: SGLang's defaults are the same "off" values.
+    for name, off in _OFF:
+        if (v := getattr(s, name)) != off:
+            p[name] = v
     return p
+
+
+_OFF = (("top_k", -1), ("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0))
 
 
 def generate_body(tokens: Any, sampling: Sampling, rid: str, bootstrap: Bootstrap,

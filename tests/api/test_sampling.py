@@ -1,0 +1,47 @@
+"""The sampling options of a request reach the engines' orders, and SGLang's body."""
+
+from evinfra.drivers.sglang.requests import sampling_params
+from tests.api.conftest import body
+
+ASKED = {"temperature": 0.7, "top_p": 0.9, "seed": 3, "top_k": 20, "min_p": 0.05,
+         "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1}
+
+
+async def test_sampling_options_reach_both_orders_and_the_sglang_body(client, service):
+    orders = []
+    for d in service.drivers.values():
+        for name in ("submit_prefill", "submit_decode"):
+            def spy(order, _f=getattr(d, name)):
+                orders.append(order)
+                return _f(order)
+            setattr(d, name, spy)
+    r = await client.post("/v1/chat/completions", data=body(
+        model="evinfra-fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        **ASKED))
+    assert r.status == 200, await r.text()
+    assert len(orders) == 2  # a prefill and a decode, the same sampling
+    for o in orders:
+        s = o.sampling
+        assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.top_k, s.min_p) == \
+            (3, 0.7, 0.9, 3, 20, 0.05)
+        assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == \
+            (0.5, -0.5, 1.1)
+    p = sampling_params(orders[0].sampling)
+    assert {k: p[k] for k in ("top_k", "min_p", "frequency_penalty", "presence_penalty",
+                              "repetition_penalty", "temperature", "top_p")} == \
+        {k: v for k, v in ASKED.items() if k != "seed"}
+    assert p["sampling_seed"] == 3 and p["max_new_tokens"] == 3
+
+
+async def test_options_left_out_are_left_out_of_the_sglang_body(client, service):
+    orders = []
+    for d in service.drivers.values():
+        def spy(order, _f=d.submit_prefill):
+            orders.append(order)
+            return _f(order)
+        d.submit_prefill = spy
+    r = await client.post("/v1/completions", data=body(model="evinfra-fake", prompt="hi",
+                                                       max_tokens=2, top_k=-1))
+    assert r.status == 200, await r.text()
+    assert set(sampling_params(orders[0].sampling)) == {"max_new_tokens", "temperature",
+                                                        "top_p", "ignore_eos"}

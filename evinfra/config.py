@@ -58,6 +58,17 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """A Hugging Face model directory (``tokenizer.json``, ``tokenizer_config.json`` with a
     chat template). Empty: the built-in byte-level tokenizer (fake engines)."""
     max_context_tokens: PosInt = 262_144
+    tool_call_parser: Literal["hermes"] | None = None
+    """How the model writes tool calls (``evinfra/api/tool_calls.py``): ``hermes`` for the
+    ``<tool_call>`` JSON blocks of Qwen2.5, Qwen3 and Hermes models. None: see
+    :attr:`tool_calls`."""
+
+    @property
+    def tool_calls(self) -> str | None:
+        """The parser in force: the configured one, else ``hermes`` for the built-in byte
+        model (its template writes calls that way); None for a model dir, whose chat requests
+        with ``tools`` are refused, as this server could not read the calls back."""
+        return self.tool_call_parser or (None if self.dir else "hermes")
 
 
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -3,7 +3,8 @@
 The handler validates the body, applies the chat template and tokenizes, reads the agent
 hints, submits to the service and relays the output. Output text comes from an incremental
 detokenizer (only the last few tokens are decoded again per step); ``stop`` strings are
-matched on the text and end the request early. ``usage`` reports
+matched on the text and end the request early; with ``tools``, the model's tool calls are read
+out of the text (``tool_calls.py``). ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the input tokens whose KV the request reused.
 """
 
@@ -18,8 +19,10 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from evinfra.api.schemas import AgentHints, ChatCompletionRequest, CompletionRequest, decode_body
+from evinfra.api.schemas import (UNSERVED_WHY, AgentHints, ChatCompletionRequest,
+                                 CompletionRequest, decode_body)
 from evinfra.api.tokenizer import Tokenizer
+from evinfra.api.tool_calls import PARSERS, HermesCalls, ToolCall
 from evinfra.core.events import RequestDone
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
@@ -116,7 +119,19 @@ def _chat_tokens(body: ChatCompletionRequest, tok: Tokenizer) -> np.ndarray:
         if role not in _ROLES:
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
-    return tok.encode(tok.apply_chat_template(body.messages))
+    return tok.encode(tok.apply_chat_template(body.messages, body.template_tools()))
+
+
+def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
+    unserved = body.unserved()
+    if unserved:
+        field = unserved[0]
+        raise RequestError(f"{field} is not supported by this server{UNSERVED_WHY.get(field, '')}",
+                           param=field)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class OpenAIRoutes:
@@ -150,12 +165,21 @@ class OpenAIRoutes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)
+        _refuse_unserved(body)
+        calls = None
+        if body.template_tools() is not None:
+            if self.model.tool_calls is None:
+                raise RequestError("tools need the model's tool-call format: set "
+                                   "model.tool_call_parser in the config (one of: "
+                                   f"{', '.join(PARSERS)})", param="tools")
+            calls = PARSERS[self.model.tool_calls]
         tokens = _chat_tokens(body, self.tok)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self._serve(request, body, tokens, max_tokens, chat=True)
+        return await self._serve(request, body, tokens, max_tokens, chat=True, calls=calls)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
+        _refuse_unserved(body)
         tokens = _prompt_tokens(body, self.tok)
         return await self._serve(request, body, tokens, body.max_tokens, chat=False)
 
@@ -164,10 +188,6 @@ class OpenAIRoutes:
         self._check_model(body.model)
         if body.n != 1:
             raise RequestError("only n = 1 is supported", param="n")
-        unserved = body.unserved()
-        if unserved:
-            raise RequestError(f"{unserved[0]} is not supported by this server",
-                               param=unserved[0])
         if body.top_k == 0 or body.top_k < -1:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
         room = self.model.max_context_tokens - int(tokens.size)
@@ -188,7 +208,9 @@ class OpenAIRoutes:
                         body.presence_penalty, body.repetition_penalty)
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
-                     max_tokens: int | None, *, chat: bool) -> web.StreamResponse:
+                     max_tokens: int | None, *, chat: bool,
+                     calls: type[HermesCalls] | None = None) -> web.StreamResponse:
+        """``calls``: the parser of the tool calls in the output (a chat with tools)."""
         sampling = self._check(body, tokens, max_tokens)
         hints = _hints(request, body.evinfra)
         channel = _Channel()
@@ -199,9 +221,11 @@ class OpenAIRoutes:
         stops = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
         try:
             prompt = int(tokens.size)
+            parser = calls(_call_id) if calls is not None else None
             if body.stream:
-                return await self._stream(request, rid, body, channel, stops, chat, prompt)
-            return await self._whole(rid, body, channel, stops, chat, prompt)
+                return await self._stream(request, rid, body, channel, stops, chat, prompt,
+                                          parser)
+            return await self._whole(rid, body, channel, stops, chat, prompt, parser)
         except (asyncio.CancelledError, ConnectionResetError):
             self.service.abort(rid)
             raise
@@ -254,7 +278,7 @@ class OpenAIRoutes:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _whole(self, rid: str, body, channel: _Channel, stops: list[str], chat: bool,
-                     prompt: int) -> web.Response:
+                     prompt: int, parser: HermesCalls | None) -> web.Response:
         text: list[str] = []
         record, finish, ids = None, "stop", []
         async for item in self._outputs(rid, channel, stops):
@@ -263,9 +287,18 @@ class OpenAIRoutes:
             else:
                 _, record, finish, ids, _ = item
         usage = self._usage(record, prompt, len(ids))
-        content = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content},
-                   "finish_reason": finish, "logprobs": None} if chat else
+        content: str | None = "".join(text)
+        message: dict = {"role": "assistant"}
+        if parser is not None:
+            head, _ = parser.feed(content)
+            content = head + parser.end()
+            if parser.calls:
+                message["tool_calls"] = [c.wire() for c in parser.calls]
+                content = content or None
+                finish = "tool_calls" if finish == "stop" else finish
+        message["content"] = content
+        choice = ({"index": 0, "message": message, "finish_reason": finish,
+                   "logprobs": None} if chat else
                   {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
         if body.return_token_ids:
             choice["token_ids"] = ids
@@ -275,7 +308,8 @@ class OpenAIRoutes:
             "usage": usage})
 
     async def _stream(self, request: web.Request, rid: str, body, channel: _Channel,
-                      stops: list[str], chat: bool, prompt: int) -> web.StreamResponse:
+                      stops: list[str], chat: bool, prompt: int, parser: HermesCalls | None
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         created = int(time.time())
@@ -286,13 +320,15 @@ class OpenAIRoutes:
             return b"data: " + enc(obj) + b"\n\n"
 
         def chunk(delta: str | None, finish: str | None, role: bool = False,
-                  ids: list[int] | None = None) -> bytes:
+                  ids: list[int] | None = None, calls: list[dict] | None = None) -> bytes:
             if chat:
                 d: dict = {}
                 if role:
                     d["role"] = "assistant"
                 if delta is not None:
                     d["content"] = delta
+                if calls:
+                    d["tool_calls"] = calls
                 choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish,
@@ -301,6 +337,18 @@ class OpenAIRoutes:
                 choice["token_ids"] = ids
             return sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                         "choices": [choice]})
+
+        n_calls = 0
+
+        def from_parser(delta: str, calls: list[ToolCall], ids: list[int]) -> bytes:
+            """A chunk of what the tool-call parser lets out (maybe only the token ids: the
+            parser holds the text of a call until the call is whole)."""
+            nonlocal n_calls
+            wire = [c.wire(n_calls + i) for i, c in enumerate(calls)]
+            n_calls += len(calls)
+            if not delta and not wire and not body.return_token_ids:
+                return b""
+            return chunk(delta if delta or not wire else None, None, ids=ids, calls=wire)
 
         outputs = self._outputs(rid, channel, stops)
         try:
@@ -315,9 +363,18 @@ class OpenAIRoutes:
             item = first
             try:
                 while item[0] == "text":
-                    yield chunk(item[1], None, ids=item[2])
+                    if parser is None:
+                        yield chunk(item[1], None, ids=item[2])
+                    else:
+                        yield from_parser(*parser.feed(item[1]), item[2])
                     item = await outputs.__anext__()
                 _, record, finish, ids, rest = item
+                if parser is not None:
+                    tail = parser.end()
+                    if tail:
+                        yield chunk(tail, None)
+                    if parser.calls and finish == "stop":
+                        finish = "tool_calls"
                 yield chunk(None if chat else "", finish, ids=rest)
                 opts = body.stream_options
                 if opts is not None and opts.include_usage:
@@ -333,7 +390,8 @@ class OpenAIRoutes:
         await resp.prepare(request)
         try:
             async for data in events():
-                await resp.write(data)
+                if data:
+                    await resp.write(data)
             await resp.write_eof()
         except ConnectionResetError:
             # The client went away mid-stream, an everyday event: stop the request and end

@@ -9,11 +9,12 @@ agent hints as the ``X-Evinfra-*`` headers.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
-__all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "SplitRequest", "decode_body"]
+__all__ = ["UNSERVED_WHY", "AgentHints", "ChatCompletionRequest", "CompletionRequest",
+           "SplitRequest", "decode_body"]
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -23,6 +24,10 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 """1.0 is no penalty (the ranges are OpenAI's and SGLang's)."""
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+UNSERVED_WHY = {"tool_choice": ": only 'auto' and 'none' (a forced call needs constrained "
+                               "decoding)"}
 
 
 class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -64,8 +69,37 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     """Add the output token ids to each choice (``token_ids``), as vLLM does: a replay client
     needs them to build the next prompt exactly."""
 
+class FunctionDef(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One of ``tools``: rendered by the chat template as the client sent it."""
+
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct, frozen=True):
+    name: str
+
+
+class ToolChoice(msgspec.Struct, frozen=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     messages: list[dict[str, object]]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    """Only ``none`` and ``auto`` are served: ``required`` and a named function need
+    constrained decoding (refused)."""
+    parallel_tool_calls: bool = True
+    """Every call the model writes is returned."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
     """Not served, as ``top_logprobs`` (refused): a client asking for them would read an
@@ -74,9 +108,18 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
 
     def unserved(self) -> list[str]:
         """The fields that ask for what this server does not give."""
+        forced = self.tools and self.tool_choice not in (None, "none", "auto")
         return [f for f, asked in (("logprobs", self.logprobs),
                                    ("top_logprobs", self.top_logprobs),
-                                   ("logit_bias", self.logit_bias)) if asked]
+                                   ("logit_bias", self.logit_bias),
+                                   ("tool_choice", forced)) if asked]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools the chat template shows the model (none with ``tool_choice: none``, as
+        SGLang does)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return msgspec.to_builtins(self.tools)
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):

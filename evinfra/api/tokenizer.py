@@ -31,7 +31,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[Message]) -> str: ...
+    def apply_chat_template(self, messages: list[Message],
+                            tools: list[dict] | None = None) -> str: ...
 
 
 def message_text(message: Message) -> str:
@@ -53,6 +54,34 @@ def message_text(message: Message) -> str:
     raise RequestError("message content must be a string or a list of parts", param="messages")
 
 
+def _arguments(messages: list[Message]) -> list[Message]:
+    """The messages with each assistant tool call's ``arguments`` (a JSON string, as OpenAI
+    sends it) as the object chat templates expect (SGLang and vLLM convert them too)."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and calls:
+            if not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+                raise RequestError("tool_calls must be a list of {id, type, function}",
+                                   param=f"messages[{i}].tool_calls")
+            fixed = []
+            for c in calls:
+                args = c["function"].get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args or "{}")
+                    except ValueError:
+                        args = None
+                if not isinstance(args, dict):
+                    raise RequestError("a tool call's function.arguments must be a JSON object",
+                                       param=f"messages[{i}].tool_calls")
+                fixed.append({**c, "function": {**c["function"], "arguments": args}})
+            m = {**m, "tool_calls": fixed}
+        out.append({**m, "content": message_text(m)})
+    return out
+
+
 _LETTERS = "etaoin shrdlucmfwypvbgkjqxz etaoin shrdlu"
 
 
@@ -70,9 +99,15 @@ class ByteTokenizer:
             out += bytes((i,)) if i < 256 else _LETTERS[i % len(_LETTERS)].encode()
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[Message]) -> str:
-        return "".join(f"<|{m.get('role', 'user')}|>\n{message_text(m)}\n"
-                       for m in messages) + "<|assistant|>\n"
+    def apply_chat_template(self, messages: list[Message],
+                            tools: list[dict] | None = None) -> str:
+        """Roles in tags; tools and tool calls as the ``hermes`` format writes them."""
+        out = [f"<|tools|>\n{json.dumps(tools)}\n"] if tools else []
+        for m in _arguments(messages):
+            calls = "".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>\n"
+                            for c in m.get("tool_calls") or ())
+            out.append(f"<|{m.get('role', 'user')}|>\n{m['content']}\n{calls}")
+        return "".join(out) + "<|assistant|>\n"
 
 
 class HFTokenizer:
@@ -118,13 +153,14 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[Message]) -> str:
+    def apply_chat_template(self, messages: list[Message],
+                            tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise RequestError("the model has no chat template: use /v1/completions",
                                param="messages")
-        msgs = [{**m, "content": message_text(m)} for m in messages]
+        msgs = _arguments(messages)
         try:
-            return self._template.render(messages=msgs, add_generation_prompt=True,
+            return self._template.render(messages=msgs, tools=tools, add_generation_prompt=True,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except self._template_error as exc:
             raise RequestError(f"chat template: {exc}", param="messages") from exc

@@ -1,0 +1,55 @@
+"""A model's own chat template (Jinja, from ``tokenizer_config.json``) sees the request's tools
+and the call history the way transformers, SGLang and vLLM give them to it."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from evinfra.api.tokenizer import HFTokenizer
+from evinfra.errors import RequestError
+
+# The tool parts of Qwen2.5's template, shortened.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{{ message.content }}{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "\n<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.fixture
+def tok(tmp_path):
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    return HFTokenizer(tmp_path)
+
+
+def test_tools_and_the_call_history_are_rendered(tok):
+    tools = [{"type": "function", "function": {"name": "read_file"}}]
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "c1", "type": "function",
+                   "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "print(1)"}]
+    text = tok.apply_chat_template(history, tools)
+    assert '<tools>{"type": "function", "function": {"name": "read_file"}}</tools>' in text
+    # The arguments, a JSON string on the wire, reach the template as an object.
+    assert '{"name": "read_file", "arguments": {"path": "a.py"}}' in text
+    assert "<|im_start|>tool\nprint(1)<|im_end|>" in text
+    assert "<tools>" not in tok.apply_chat_template(history[:1])
+
+
+def test_arguments_that_are_not_a_json_object_are_refused(tok):
+    for args in ("{oops", "[1]"):
+        bad = [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]}]
+        with pytest.raises(RequestError) as e:
+            tok.apply_chat_template(bad)
+        assert e.value.param == "messages[0].tool_calls"

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from evinfra.api.schemas import (UNSERVED_WHY, AgentHints, ChatCompletionRequest,
+from evinfra.api.schemas import (UNSERVED_MESSAGES, AgentHints, ChatCompletionRequest,
                                  CompletionRequest, decode_body)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import PARSERS, HermesCalls, ToolCall
@@ -126,7 +126,7 @@ def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
     unserved = body.unserved()
     if unserved:
         field = unserved[0]
-        raise RequestError(f"{field} is not supported by this server{UNSERVED_WHY.get(field, '')}",
+        raise RequestError(UNSERVED_MESSAGES.get(field, f"{field} is not supported by this server"),
                            param=field)
 
 

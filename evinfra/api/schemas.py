@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-__all__ = ["UNSERVED_WHY", "AgentHints", "ChatCompletionRequest", "CompletionRequest",
+__all__ = ["UNSERVED_MESSAGES", "AgentHints", "ChatCompletionRequest", "CompletionRequest",
            "SplitRequest", "decode_body"]
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -26,8 +26,10 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
-UNSERVED_WHY = {"tool_choice": ": only 'auto' and 'none' (a forced call needs constrained "
-                               "decoding)"}
+UNSERVED_MESSAGES = {"tool_choice": "tool_choice must be 'auto' or 'none': a forced call needs "
+                                    "constrained decoding, which this server does not serve"}
+"""The refusal of an unserved field, where "FIELD is not supported by this server" is not
+the whole story."""
 
 
 class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

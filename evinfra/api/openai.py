@@ -119,7 +119,8 @@ def _chat_tokens(body: ChatCompletionRequest, tok: Tokenizer) -> np.ndarray:
         if role not in _ROLES:
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
-    return tok.encode(tok.apply_chat_template(body.messages, body.template_tools()))
+    return tok.encode(tok.apply_chat_template(body.messages, body.template_tools(),
+                                              body.chat_template_kwargs))
 
 
 def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -102,6 +102,9 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     constrained decoding (refused)."""
     parallel_tool_calls: bool = True
     """Every call the model writes is returned."""
+    chat_template_kwargs: dict[str, object] | None = None
+    """More variables for the model's chat template (``enable_thinking`` for Qwen3, say), as
+    SGLang and vLLM accept them."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
     """Not served, as ``top_logprobs`` (refused): a client asking for them would read an

@@ -31,8 +31,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[Message],
-                            tools: list[dict] | None = None) -> str: ...
+    def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,
+                            extra: dict[str, object] | None = None) -> str: ...
 
 
 def message_text(message: Message) -> str:
@@ -99,9 +99,10 @@ class ByteTokenizer:
             out += bytes((i,)) if i < 256 else _LETTERS[i % len(_LETTERS)].encode()
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[Message],
-                            tools: list[dict] | None = None) -> str:
-        """Roles in tags; tools and tool calls as the ``hermes`` format writes them."""
+    def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,
+                            extra: dict[str, object] | None = None) -> str:
+        """Roles in tags; tools and tool calls as the ``hermes`` format writes them. No
+        template variables (``extra`` is not read)."""
         out = [f"<|tools|>\n{json.dumps(tools)}\n"] if tools else []
         for m in _arguments(messages):
             calls = "".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>\n"
@@ -153,15 +154,19 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[Message],
-                            tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,
+                            extra: dict[str, object] | None = None) -> str:
+        """``extra``: the request's ``chat_template_kwargs``; they cannot replace what the
+        server renders (the messages, the tools, the special tokens)."""
         if self._template is None:
             raise RequestError("the model has no chat template: use /v1/completions",
                                param="messages")
         msgs = _arguments(messages)
         try:
-            return self._template.render(messages=msgs, tools=tools, add_generation_prompt=True,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+            return self._template.render({**(extra or {}), "messages": msgs, "tools": tools,
+                                          "add_generation_prompt": True,
+                                          "bos_token": self.bos_token,
+                                          "eos_token": self.eos_token})
         except self._template_error as exc:
             raise RequestError(f"chat template: {exc}", param="messages") from exc
 

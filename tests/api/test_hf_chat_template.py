@@ -6,7 +6,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models
 
-from evinfra.api.tokenizer import HFTokenizer
+from evinfra.api.tokenizer import ByteTokenizer, HFTokenizer
 from evinfra.errors import RequestError
 
 # The tool parts of Qwen2.5's template, shortened.
@@ -20,7 +20,9 @@ TEMPLATE = (
     "\n<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
     "{{ tool_call.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{%- endif %}")
 
 
 @pytest.fixture
@@ -53,3 +55,29 @@ def test_arguments_that_are_not_a_json_object_are_refused(tok):
         with pytest.raises(RequestError) as e:
             tok.apply_chat_template(bad)
         assert e.value.param == "messages[0].tool_calls"
+
+
+def test_chat_template_kwargs_reach_the_template_and_replace_nothing(tok):
+    hi = [{"role": "user", "content": "hi"}]
+    base = tok.apply_chat_template(hi)
+    assert tok.apply_chat_template(hi, extra={"enable_thinking": False}) == \
+        base + "<think>\n\n</think>"
+    assert tok.apply_chat_template(hi, extra={"enable_thinking": True}) == base
+    forged = tok.apply_chat_template(hi, extra={"messages": [], "add_generation_prompt": False})
+    assert forged == tok.apply_chat_template(hi)
+
+
+async def test_the_chat_route_hands_the_template_its_kwargs(client, monkeypatch):
+    seen = []
+    real = ByteTokenizer.apply_chat_template
+
+    def spy(self, messages, tools=None, extra=None):
+        seen.append(extra)
+        return real(self, messages, tools, extra)
+
+    monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
+    r = await client.post("/v1/chat/completions", json={
+        "model": "evinfra-fake", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status == 200, await r.text()
+    assert seen == [{"enable_thinking": False}]

@@ -63,6 +63,11 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     ``<tool_call>`` JSON blocks of Qwen2.5, Qwen3 and Hermes models. None: see
     :attr:`tool_calls`."""
 
+    reasoning_parser: Literal["think"] | None = None
+    """``think``: a thinking model's ``<think>...</think>`` block (Qwen3, DeepSeek-R1, QwQ)
+    is returned as the chat message's ``reasoning_content`` (``evinfra/api/reasoning.py``).
+    None: the output is all content."""
+
     @property
     def tool_calls(self) -> str | None:
         """The parser in force: the configured one, else ``hermes`` for the built-in byte

@@ -22,7 +22,10 @@ from aiohttp import web
 from evinfra.api.schemas import (UNSERVED_MESSAGES, AgentHints, ChatCompletionRequest,
                                  CompletionRequest, decode_body)
 from evinfra.api.tokenizer import Tokenizer
-from evinfra.api.tool_calls import PARSERS, HermesCalls, ToolCall
+from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
+from evinfra.api.reasoning import ThinkSplit
+from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
+from evinfra.api.tool_calls import HermesCalls, ToolCall
 from evinfra.core.events import RequestDone
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
@@ -111,7 +114,7 @@ def _prompt_tokens(body: CompletionRequest, tok: Tokenizer) -> np.ndarray:
     return tok.encode(one) if isinstance(one, str) else _token_ids(one)
 
 
-def _chat_tokens(body: ChatCompletionRequest, tok: Tokenizer) -> np.ndarray:
+def _chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
     if not body.messages:
         raise RequestError("messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
@@ -119,8 +122,8 @@ def _chat_tokens(body: ChatCompletionRequest, tok: Tokenizer) -> np.ndarray:
         if role not in _ROLES:
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
-    return tok.encode(tok.apply_chat_template(body.messages, body.template_tools(),
-                                              body.chat_template_kwargs))
+    return tok.apply_chat_template(body.messages, body.template_tools(),
+                                   body.chat_template_kwargs)
 
 
 def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -133,6 +136,33 @@ def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class _ChatOutput:
+    """A chat output read as the model's reasoning, its answer and the tool calls in the
+    answer (each part only when the config names its parser)."""
+
+    def __init__(self, think: ThinkSplit | None, calls: HermesCalls | None) -> None:
+        self.think = think
+        self.parser = calls
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.parser.calls if self.parser is not None else []
+
+    def feed(self, delta: str) -> tuple[str, str, list[ToolCall]]:
+        """The reasoning, the content and the calls this delta lets out."""
+        reasoning, content = self.think.feed(delta) if self.think is not None else ("", delta)
+        if self.parser is not None and content:
+            return (reasoning, *self.parser.feed(content))
+        return reasoning, content, []
+
+    def end(self) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content = self.think.end() if self.think is not None else ("", "")
+        if self.parser is None:
+            return reasoning, content, []
+        content, calls = self.parser.feed(content) if content else ("", [])
+        return reasoning, content + self.parser.end(), calls
 
 
 class OpenAIRoutes:
@@ -172,11 +202,20 @@ class OpenAIRoutes:
             if self.model.tool_calls is None:
                 raise RequestError("tools need the model's tool-call format: set "
                                    "model.tool_call_parser in the config (one of: "
-                                   f"{', '.join(PARSERS)})", param="tools")
-            calls = PARSERS[self.model.tool_calls]
-        tokens = _chat_tokens(body, self.tok)
+                                   f"{', '.join(TOOL_PARSERS)})", param="tools")
+            calls = TOOL_PARSERS[self.model.tool_calls]
+        prompt = _chat_prompt(body, self.tok)
+        think = REASONING_PARSERS[self.model.reasoning_parser] \
+            if self.model.reasoning_parser else None
+        out = None
+        if think is not None or calls is not None:
+            # The template may open the reasoning block itself (DeepSeek-R1's does).
+            forced = prompt.rstrip().endswith(ThinkSplit.START)
+            out = _ChatOutput(think(forced) if think else None,
+                              calls(_call_id) if calls else None)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self._serve(request, body, tokens, max_tokens, chat=True, calls=calls)
+        return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
+                                 out=out)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
@@ -210,8 +249,8 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool,
-                     calls: type[HermesCalls] | None = None) -> web.StreamResponse:
-        """``calls``: the parser of the tool calls in the output (a chat with tools)."""
+                     out: _ChatOutput | None = None) -> web.StreamResponse:
+        """``out``: how a chat output is read (None: all content)."""
         sampling = self._check(body, tokens, max_tokens)
         hints = _hints(request, body.evinfra)
         channel = _Channel()
@@ -222,11 +261,10 @@ class OpenAIRoutes:
         stops = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
         try:
             prompt = int(tokens.size)
-            parser = calls(_call_id) if calls is not None else None
             if body.stream:
                 return await self._stream(request, rid, body, channel, stops, chat, prompt,
-                                          parser)
-            return await self._whole(rid, body, channel, stops, chat, prompt, parser)
+                                          out)
+            return await self._whole(rid, body, channel, stops, chat, prompt, out)
         except (asyncio.CancelledError, ConnectionResetError):
             self.service.abort(rid)
             raise
@@ -279,7 +317,7 @@ class OpenAIRoutes:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _whole(self, rid: str, body, channel: _Channel, stops: list[str], chat: bool,
-                     prompt: int, parser: HermesCalls | None) -> web.Response:
+                     prompt: int, out: _ChatOutput | None) -> web.Response:
         text: list[str] = []
         record, finish, ids = None, "stop", []
         async for item in self._outputs(rid, channel, stops):
@@ -290,11 +328,14 @@ class OpenAIRoutes:
         usage = self._usage(record, prompt, len(ids))
         content: str | None = "".join(text)
         message: dict = {"role": "assistant"}
-        if parser is not None:
-            head, _ = parser.feed(content)
-            content = head + parser.end()
-            if parser.calls:
-                message["tool_calls"] = [c.wire() for c in parser.calls]
+        if out is not None:
+            r1, c1, _ = out.feed(content)
+            r2, c2, _ = out.end()
+            content = c1 + c2
+            if out.think is not None:
+                message["reasoning_content"] = (r1 + r2) or None
+            if out.calls:
+                message["tool_calls"] = [c.wire() for c in out.calls]
                 content = content or None
                 finish = "tool_calls" if finish == "stop" else finish
         message["content"] = content
@@ -309,7 +350,7 @@ class OpenAIRoutes:
             "usage": usage})
 
     async def _stream(self, request: web.Request, rid: str, body, channel: _Channel,
-                      stops: list[str], chat: bool, prompt: int, parser: HermesCalls | None
+                      stops: list[str], chat: bool, prompt: int, out: _ChatOutput | None
                       ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -321,11 +362,14 @@ class OpenAIRoutes:
             return b"data: " + enc(obj) + b"\n\n"
 
         def chunk(delta: str | None, finish: str | None, role: bool = False,
-                  ids: list[int] | None = None, calls: list[dict] | None = None) -> bytes:
+                  ids: list[int] | None = None, calls: list[dict] | None = None,
+                  reasoning: str = "") -> bytes:
             if chat:
                 d: dict = {}
                 if role:
                     d["role"] = "assistant"
+                if reasoning:
+                    d["reasoning_content"] = reasoning
                 if delta is not None:
                     d["content"] = delta
                 if calls:
@@ -341,15 +385,17 @@ class OpenAIRoutes:
 
         n_calls = 0
 
-        def from_parser(delta: str, calls: list[ToolCall], ids: list[int]) -> bytes:
-            """A chunk of what the tool-call parser lets out (maybe only the token ids: the
-            parser holds the text of a call until the call is whole)."""
+        def read(reasoning: str, delta: str, calls: list[ToolCall],
+                 ids: list[int] | None = None) -> bytes:
+            """A chunk of what the reader lets out (maybe only the token ids: the parsers
+            hold a tag's text until they know what it is, a call's until it is whole)."""
             nonlocal n_calls
             wire = [c.wire(n_calls + i) for i, c in enumerate(calls)]
             n_calls += len(calls)
-            if not delta and not wire and not body.return_token_ids:
+            if not (reasoning or delta or wire or (body.return_token_ids and ids)):
                 return b""
-            return chunk(delta if delta or not wire else None, None, ids=ids, calls=wire)
+            return chunk(delta if delta or not (wire or reasoning) else None, None, ids=ids,
+                         calls=wire, reasoning=reasoning)
 
         outputs = self._outputs(rid, channel, stops)
         try:
@@ -364,17 +410,15 @@ class OpenAIRoutes:
             item = first
             try:
                 while item[0] == "text":
-                    if parser is None:
+                    if out is None:
                         yield chunk(item[1], None, ids=item[2])
                     else:
-                        yield from_parser(*parser.feed(item[1]), item[2])
+                        yield read(*out.feed(item[1]), item[2])
                     item = await outputs.__anext__()
                 _, record, finish, ids, rest = item
-                if parser is not None:
-                    tail = parser.end()
-                    if tail:
-                        yield chunk(tail, None)
-                    if parser.calls and finish == "stop":
+                if out is not None:
+                    yield read(*out.end())
+                    if out.calls and finish == "stop":
                         finish = "tool_calls"
                 yield chunk(None if chat else "", finish, ids=rest)
                 opts = body.stream_options

@@ -22,6 +22,8 @@ from typing import Callable
 
 import msgspec
 
+from evinfra.api.tags import partial_tag
+
 __all__ = ["PARSERS", "HermesCalls", "ToolCall"]
 
 class ToolCall(msgspec.Struct, frozen=True):
@@ -35,15 +37,6 @@ class ToolCall(msgspec.Struct, frozen=True):
         out: dict = {"id": self.id, "type": "function",
                      "function": {"name": self.name, "arguments": self.arguments}}
         return out if index is None else {"index": index, **out}
-
-
-def _partial(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that begins ``tag`` (held back: the next delta
-    may complete the tag)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class HermesCalls:
@@ -67,7 +60,7 @@ class HermesCalls:
             if not self._inside:
                 i = buf.find(self.START)
                 if i < 0:
-                    k = _partial(buf, self.START)
+                    k = partial_tag(buf, self.START)
                     self._content(buf[:len(buf) - k], out)
                     buf = buf[len(buf) - k:]
                     break

@@ -1,0 +1,92 @@
+"""A thinking model's reasoning comes back as ``reasoning_content``, whole and streamed, apart
+from its answer and from the tool calls in the answer."""
+
+import json
+
+import numpy as np
+import pytest
+from openai import AsyncOpenAI
+
+from evinfra.api.tokenizer import ByteTokenizer
+from evinfra.drivers.fake.outputs import OutputPlanner
+
+MSG = [{"role": "user", "content": "2+2?"}]
+TOOLS = [{"type": "function", "function": {"name": "calc"}}]
+
+
+@pytest.fixture
+def config_overrides():
+    return {"model": {"reasoning_parser": "think"}}
+
+
+def says(monkeypatch, text: str) -> None:
+    def plan(self, request, sampling):
+        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32), "stop"
+    monkeypatch.setattr(OutputPlanner, "plan", plan)
+
+
+def openai_client(client) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
+
+
+async def both(client, **kw) -> tuple[dict, dict]:
+    """The whole answer's message and finish, and the same read from the stream."""
+    oa = openai_client(client)
+    r = await oa.chat.completions.create(model="evinfra-fake", messages=MSG, max_tokens=200,
+                                         **kw)
+    m = r.choices[0].message
+    whole = {"reasoning": getattr(m, "reasoning_content", None), "content": m.content,
+             "calls": [(c.function.name, json.loads(c.function.arguments))
+                       for c in m.tool_calls or ()], "finish": r.choices[0].finish_reason}
+    parts: dict = {"reasoning": [], "content": [], "calls": {}, "finish": None}
+    async for chunk in await oa.chat.completions.create(
+            model="evinfra-fake", messages=MSG, max_tokens=200, stream=True, **kw):
+        d = chunk.choices[0].delta
+        parts["reasoning"].append(getattr(d, "reasoning_content", None) or "")
+        parts["content"].append(d.content or "")
+        for c in d.tool_calls or ():
+            got = parts["calls"].setdefault(c.index, ["", ""])
+            got[0] += c.function.name or ""
+            got[1] += c.function.arguments or ""
+        parts["finish"] = chunk.choices[0].finish_reason or parts["finish"]
+    streamed = {"reasoning": "".join(parts["reasoning"]) or None,
+                "content": "".join(parts["content"]) or None,
+                "calls": [(n, json.loads(a)) for n, a in parts["calls"].values()],
+                "finish": parts["finish"]}
+    return whole, streamed
+
+
+async def test_reasoning_apart_from_the_answer(client, monkeypatch):
+    says(monkeypatch, "<think>\nadd them</think>\n\nIt is 4.")
+    whole, streamed = await both(client)
+    assert whole == streamed == {"reasoning": "\nadd them", "content": "It is 4.", "calls": [],
+                                 "finish": "stop"}
+
+
+async def test_a_call_after_the_reasoning(client, monkeypatch):
+    says(monkeypatch, '<think>use the tool; <tool_call> here is just a thought</think>\n'
+                      '<tool_call>{"name": "calc", "arguments": {"x": "2+2"}}</tool_call>')
+    whole, streamed = await both(client, tools=TOOLS)
+    assert whole == streamed == {
+        "reasoning": "use the tool; <tool_call> here is just a thought", "content": None,
+        "calls": [("calc", {"x": "2+2"})], "finish": "tool_calls"}
+
+
+async def test_a_template_that_opens_the_block(client, monkeypatch):
+    """DeepSeek-R1's template ends the prompt inside the block: the output has no opening."""
+    real = ByteTokenizer.apply_chat_template
+    monkeypatch.setattr(ByteTokenizer, "apply_chat_template",
+                        lambda self, *a: real(self, *a) + "<think>\n")
+    says(monkeypatch, "add them</think>4")
+    whole, streamed = await both(client)
+    assert whole == streamed == {"reasoning": "add them", "content": "4", "calls": [],
+                                 "finish": "stop"}
+
+
+@pytest.mark.parametrize("config_overrides", [{}])
+async def test_without_a_reasoning_parser_it_is_all_content(client, monkeypatch,
+                                                             config_overrides):
+    says(monkeypatch, "<think>x</think>4")
+    whole, streamed = await both(client)
+    assert whole == streamed == {"reasoning": None, "content": "<think>x</think>4",
+                                 "calls": [], "finish": "stop"}

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from openai import AsyncOpenAI
 
 from evinfra.api import build_app
 from evinfra.api.tokenizer import ByteTokenizer
 from evinfra.config import parse_config
 from evinfra.core.clock import WallClock
+from evinfra.drivers.fake.outputs import OutputPlanner
 from evinfra.service import Service
 
 BASE = {
@@ -52,3 +55,15 @@ async def client(service):
 
 def body(**kw) -> bytes:
     return msgspec.json.encode(kw)
+
+
+def openai_client(client: TestClient) -> AsyncOpenAI:
+    """The official client on the test server."""
+    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
+
+
+def model_says(monkeypatch, text: str) -> None:
+    """The fake engines' output for every request: the bytes of ``text`` (the byte
+    tokenizer's ids), then "stop"."""
+    ids = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
+    monkeypatch.setattr(OutputPlanner, "plan", lambda self, request, sampling: (ids, "stop"))

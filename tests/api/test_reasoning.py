@@ -3,12 +3,10 @@ from its answer and from the tool calls in the answer."""
 
 import json
 
-import numpy as np
 import pytest
-from openai import AsyncOpenAI
 
 from evinfra.api.tokenizer import ByteTokenizer
-from evinfra.drivers.fake.outputs import OutputPlanner
+from tests.api.conftest import model_says, openai_client
 
 MSG = [{"role": "user", "content": "2+2?"}]
 TOOLS = [{"type": "function", "function": {"name": "calc"}}]
@@ -17,16 +15,6 @@ TOOLS = [{"type": "function", "function": {"name": "calc"}}]
 @pytest.fixture
 def config_overrides():
     return {"model": {"reasoning_parser": "think"}}
-
-
-def says(monkeypatch, text: str) -> None:
-    def plan(self, request, sampling):
-        return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32), "stop"
-    monkeypatch.setattr(OutputPlanner, "plan", plan)
-
-
-def openai_client(client) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
 
 
 async def both(client, **kw) -> tuple[dict, dict]:
@@ -57,14 +45,14 @@ async def both(client, **kw) -> tuple[dict, dict]:
 
 
 async def test_reasoning_apart_from_the_answer(client, monkeypatch):
-    says(monkeypatch, "<think>\nadd them</think>\n\nIt is 4.")
+    model_says(monkeypatch, "<think>\nadd them</think>\n\nIt is 4.")
     whole, streamed = await both(client)
     assert whole == streamed == {"reasoning": "\nadd them", "content": "It is 4.", "calls": [],
                                  "finish": "stop"}
 
 
 async def test_a_call_after_the_reasoning(client, monkeypatch):
-    says(monkeypatch, '<think>use the tool; <tool_call> here is just a thought</think>\n'
+    model_says(monkeypatch, '<think>use the tool; <tool_call> here is just a thought</think>\n'
                       '<tool_call>{"name": "calc", "arguments": {"x": "2+2"}}</tool_call>')
     whole, streamed = await both(client, tools=TOOLS)
     assert whole == streamed == {
@@ -77,7 +65,7 @@ async def test_a_template_that_opens_the_block(client, monkeypatch):
     real = ByteTokenizer.apply_chat_template
     monkeypatch.setattr(ByteTokenizer, "apply_chat_template",
                         lambda self, *a: real(self, *a) + "<think>\n")
-    says(monkeypatch, "add them</think>4")
+    model_says(monkeypatch, "add them</think>4")
     whole, streamed = await both(client)
     assert whole == streamed == {"reasoning": "add them", "content": "4", "calls": [],
                                  "finish": "stop"}
@@ -86,7 +74,7 @@ async def test_a_template_that_opens_the_block(client, monkeypatch):
 @pytest.mark.parametrize("config_overrides", [{}])
 async def test_without_a_reasoning_parser_it_is_all_content(client, monkeypatch,
                                                              config_overrides):
-    says(monkeypatch, "<think>x</think>4")
+    model_says(monkeypatch, "<think>x</think>4")
     whole, streamed = await both(client)
     assert whole == streamed == {"reasoning": None, "content": "<think>x</think>4",
                                  "calls": [], "finish": "stop"}

@@ -6,12 +6,10 @@ import json
 
 import numpy as np
 import pytest
-from openai import AsyncOpenAI
 
 from evinfra.config import parse_config
-from evinfra.drivers.fake.outputs import OutputPlanner
 from evinfra.errors import ConfigError
-from tests.api.conftest import body
+from tests.api.conftest import body, model_says, openai_client
 
 CHAT = "/v1/chat/completions"
 TOOLS = [{"type": "function", "function": {
@@ -26,18 +24,11 @@ SAYS = ('Let me read it.\n<tool_call>\n{"name": "read_file", "arguments": {"path
 
 
 @pytest.fixture
-def model_says(monkeypatch):
-    """The fake engine's output for every request: these bytes (the byte tokenizer's ids)."""
-    def plan(self, request, sampling):
-        return np.frombuffer(SAYS.encode(), dtype=np.uint8).astype(np.uint32), "stop"
-    monkeypatch.setattr(OutputPlanner, "plan", plan)
+def says_calls(monkeypatch):
+    model_says(monkeypatch, SAYS)
 
 
-def openai_client(client) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none", max_retries=0)
-
-
-async def test_calls_come_back_as_tool_calls(client, model_says):
+async def test_calls_come_back_as_tool_calls(client, says_calls):
     r = await openai_client(client).chat.completions.create(
         model="evinfra-fake", messages=MSG, tools=TOOLS, max_tokens=len(SAYS))
     choice = r.choices[0]
@@ -49,7 +40,7 @@ async def test_calls_come_back_as_tool_calls(client, model_says):
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
 
 
-async def test_streamed_calls_read_the_same(client, model_says):
+async def test_streamed_calls_read_the_same(client, says_calls):
     stream = await openai_client(client).chat.completions.create(
         model="evinfra-fake", messages=MSG, tools=TOOLS, max_tokens=len(SAYS), stream=True)
     content, calls, finish = [], {}, None
@@ -127,7 +118,7 @@ async def test_tools_without_a_parser_are_refused(client, config_overrides):
 @pytest.mark.parametrize("config_overrides", [{"model": {"dir": "/models/qwen",
                                                          "tool_call_parser": "hermes"}}])
 async def test_a_model_dir_with_its_parser_named_serves_tools(client, config_overrides,
-                                                              model_says):
+                                                              says_calls):
     r = await client.post(CHAT, data=body(model="evinfra-fake", messages=MSG, tools=TOOLS,
                                           max_tokens=len(SAYS)))
     assert r.status == 200, await r.text()

@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible routes, validated once at the edge.
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
-(``user``, ``logit_bias``...), but those that ask for a different answer this server does not
-give (``logprobs``, ``echo``, ``best_of``, ``n`` > 1, ``logit_bias``) are refused; wrong types and
-out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same
-agent hints as the ``X-Evinfra-*`` headers.
+(``user``, ``metadata``...), but those that ask for a different answer this server does not
+give (``logprobs``, ``echo``, ``best_of``, ``n`` > 1, ``logit_bias``, a forced
+``tool_choice``, a JSON ``response_format``) are refused; wrong types and out-of-range values
+are 400s that name the field. ``evinfra`` in a body carries the same agent hints as the
+``X-Evinfra-*`` headers.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
-UNSERVED_MESSAGES = {"tool_choice": "tool_choice must be 'auto' or 'none': a forced call needs "
-                                    "constrained decoding, which this server does not serve"}
+UNSERVED_MESSAGES = {
+    "tool_choice": "tool_choice must be 'auto' or 'none': a forced call needs constrained "
+                   "decoding, which this server does not serve",
+    "response_format": "response_format must be 'text': JSON output needs constrained decoding, "
+                       "which this server does not serve"}
 """The refusal of an unserved field, where "FIELD is not supported by this server" is not
 the whole story."""
 
@@ -94,6 +98,10 @@ class ToolChoice(msgspec.Struct, frozen=True):
     type: Literal["function"] = "function"
 
 
+class ResponseFormat(msgspec.Struct, frozen=True):
+    type: str
+
+
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     messages: list[dict[str, object]]
     tools: list[Tool] | None = None
@@ -102,6 +110,9 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     constrained decoding (refused)."""
     parallel_tool_calls: bool = True
     """Every call the model writes is returned."""
+    response_format: ResponseFormat | None = None
+    """Only ``text`` is served: ``json_object`` and ``json_schema`` are refused (an answer
+    that is not the JSON asked for would read as one that is)."""
     chat_template_kwargs: dict[str, object] | None = None
     """More variables for the model's chat template (``enable_thinking`` for Qwen3, say), as
     SGLang and vLLM accept them."""
@@ -117,7 +128,9 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
         return [f for f, asked in (("logprobs", self.logprobs),
                                    ("top_logprobs", self.top_logprobs),
                                    ("logit_bias", self.logit_bias),
-                                   ("tool_choice", forced)) if asked]
+                                   ("tool_choice", forced),
+                                   ("response_format", self.response_format is not None
+                                    and self.response_format.type != "text")) if asked]
 
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template shows the model (none with ``tool_choice: none``, as

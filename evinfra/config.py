@@ -58,10 +58,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """A Hugging Face model directory (``tokenizer.json``, ``tokenizer_config.json`` with a
     chat template). Empty: the built-in byte-level tokenizer (fake engines)."""
     max_context_tokens: PosInt = 262_144
-    tool_call_parser: Literal["hermes"] | None = None
+    tool_call_parser: Literal["hermes", "qwen3_coder"] | None = None
     """How the model writes tool calls (``evinfra/api/tool_calls.py``): ``hermes`` for the
-    ``<tool_call>`` JSON blocks of Qwen2.5, Qwen3 and Hermes models. None: see
-    :attr:`tool_calls`."""
+    ``<tool_call>`` JSON blocks of Qwen2.5, Qwen3 and Hermes models, ``qwen3_coder`` for
+    Qwen3-Coder's ``<function=...>`` blocks. None: see :attr:`tool_calls`."""
 
     reasoning_parser: Literal["think"] | None = None
     """``think``: a thinking model's ``<think>...</think>`` block (Qwen3, DeepSeek-R1, QwQ)

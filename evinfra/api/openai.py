@@ -25,7 +25,7 @@ from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
 from evinfra.api.reasoning import ThinkSplit
 from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
-from evinfra.api.tool_calls import HermesCalls, ToolCall
+from evinfra.api.tool_calls import TaggedCalls, ToolCall
 from evinfra.core.events import RequestDone
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
@@ -142,7 +142,7 @@ class _ChatOutput:
     """A chat output read as the model's reasoning, its answer and the tool calls in the
     answer (each part only when the config names its parser)."""
 
-    def __init__(self, think: ThinkSplit | None, calls: HermesCalls | None) -> None:
+    def __init__(self, think: ThinkSplit | None, calls: TaggedCalls | None) -> None:
         self.think = think
         self.parser = calls
 
@@ -212,7 +212,7 @@ class OpenAIRoutes:
             # The template may open the reasoning block itself (DeepSeek-R1's does).
             forced = prompt.rstrip().endswith(ThinkSplit.START)
             out = _ChatOutput(think(forced) if think else None,
-                              calls(_call_id) if calls else None)
+                              calls(_call_id, body.template_tools()) if calls else None)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
                                  out=out)

@@ -2,29 +2,33 @@
 
 The front end applies the chat template, so it also reads the model's tool calls back out of
 its output, as vLLM's and SGLang's OpenAI servers do with a parser named per model
-(``model.tool_call_parser``). One format so far:
+(``model.tool_call_parser``). Both formats so far write each call in a
+``<tool_call>...</tool_call>`` block:
 
-* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the format
-  the chat templates of Qwen2.5, Qwen3 and Hermes models teach (vLLM's ``hermes``, SGLang's
-  ``qwen25``).
+* ``hermes``: ``{"name": ..., "arguments": {...}}`` in the block, the format the chat templates
+  of Qwen2.5, Qwen3 and Hermes models teach (vLLM's ``hermes``, SGLang's ``qwen25``);
+* ``qwen3_coder``: ``<function=NAME><parameter=P>value</parameter>...</function>`` in the
+  block (Qwen3-Coder); a value is text, read as the JSON type the tool's schema gives the
+  parameter (SGLang's ``qwen3_coder`` does the same).
 
 The parser is a stream (text deltas in; content and whole calls out) and a whole response is
-the same stream fed at once, so both read a text the same way. A block that is not a JSON
-object with a string ``name`` stays in the content as written, and so does an unterminated
-one. With calls, the whitespace that separates content from a block (or ends the text) is
-not content.
+the same stream fed at once, so both read a text the same way. A block the format cannot read
+stays in the content as written, and so does an unterminated one. With calls, the whitespace
+that separates content from a block (or ends the text) is not content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Callable
 
 import msgspec
 
 from evinfra.api.tags import partial_tag
 
-__all__ = ["PARSERS", "HermesCalls", "ToolCall"]
+__all__ = ["PARSERS", "HermesCalls", "Qwen3CoderCalls", "TaggedCalls", "ToolCall"]
+
 
 class ToolCall(msgspec.Struct, frozen=True):
     id: str
@@ -39,11 +43,16 @@ class ToolCall(msgspec.Struct, frozen=True):
         return out if index is None else {"index": index, **out}
 
 
-class HermesCalls:
+class TaggedCalls:
+    """The stream of a format that writes each call in a ``<tool_call>`` block; a format
+    reads a block's body (:meth:`_read`)."""
+
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, new_id: Callable[[], str]) -> None:
+    def __init__(self, new_id: Callable[[], str], tools: list[dict] | None = None) -> None:
+        """``tools``: the request's, as the chat template got them."""
         self._new_id = new_id
+        self._tools = {t["function"]["name"]: t["function"] for t in tools or ()}
         self._buf = ""
         """Text not yet decided: a block's body so far, or what may begin a start tag."""
         self._inside = False
@@ -99,6 +108,19 @@ class HermesCalls:
         self._held = text[len(kept):]
 
     def _parse(self, body: str) -> ToolCall | None:
+        read = self._read(body)
+        if read is None:
+            return None
+        name, args = read
+        return ToolCall(self._new_id(), name, json.dumps(args, ensure_ascii=False))
+
+    def _read(self, body: str) -> tuple[str, dict] | None:
+        """A block's call (its function's name and arguments), or None."""
+        raise NotImplementedError
+
+
+class HermesCalls(TaggedCalls):
+    def _read(self, body: str) -> tuple[str, dict] | None:
         try:
             obj = json.loads(body)
         except ValueError:
@@ -111,10 +133,57 @@ class HermesCalls:
                 args = json.loads(args)
             except ValueError:
                 return None
-        if not isinstance(args, dict):
+        return (obj["name"], args) if isinstance(args, dict) else None
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+class Qwen3CoderCalls(TaggedCalls):
+    def _read(self, body: str) -> tuple[str, dict] | None:
+        m = _FUNCTION.fullmatch(body)
+        if m is None:
             return None
-        return ToolCall(self._new_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+        name, inner = m.group(1).strip(), m.group(2)
+        params = _PARAMETER.findall(inner)
+        if _PARAMETER.sub("", inner).strip():
+            return None  # text outside the parameters: not this format
+        props = ((self._tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
+        return name, {p.strip(): _typed(_unwrap(v), props.get(p.strip())) for p, v in params}
 
 
-PARSERS: dict[str, type[HermesCalls]] = {"hermes": HermesCalls}
+def _unwrap(value: str) -> str:
+    """The value between the newline after ``<parameter=P>`` and the one before its end."""
+    if value.startswith("\n"):
+        value = value[1:]
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _typed(value: str, schema: object) -> object:
+    """``value`` as the JSON type ``schema`` gives it; as written when it is a string, has no
+    schema, or does not read as its type."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):  # ["integer", "null"]
+        kind = next((k for k in kind if k != "null"), None)
+    if kind in (None, "string"):
+        return value
+    text = value.strip()
+    if text == "null":
+        return None
+    try:
+        if kind == "integer":
+            return int(text)
+        if kind == "number":
+            return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
+        if kind == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if kind in ("object", "array"):
+            return json.loads(text)
+    except ValueError:
+        pass
+    return value
+
+
+PARSERS: dict[str, type[TaggedCalls]] = {"hermes": HermesCalls, "qwen3_coder": Qwen3CoderCalls}
 """``model.tool_call_parser`` names: a fresh parser per response."""

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from evinfra.api.tool_calls import HermesCalls
+from evinfra.api.tool_calls import HermesCalls, Qwen3CoderCalls
 
 
 def fresh() -> HermesCalls:
@@ -76,3 +76,54 @@ def test_a_call_is_let_out_when_its_block_closes_and_ids_are_fresh():
     assert calls[0].wire(3) == {"index": 3, "id": "call_0", "type": "function",
                                 "function": {"name": "f", "arguments": "{}"}}
     assert p.end() == ""
+
+
+# -- qwen3_coder ------------------------------------------------------------------------------
+
+SCHEMA = [{"type": "function", "function": {"name": "edit", "parameters": {
+    "type": "object", "properties": {
+        "path": {"type": "string"}, "line": {"type": "integer"}, "ratio": {"type": "number"},
+        "dry": {"type": "boolean"}, "opts": {"type": "object"},
+        "tags": {"type": ["array", "null"]}, "text": {"type": "string"}}}}}]
+EDIT = ("<tool_call>\n<function=edit>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
+        "<parameter=line>\n42\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+        "<parameter=dry>\nTrue\n</parameter>\n<parameter=opts>\n{\"a\": [1]}\n</parameter>\n"
+        "<parameter=tags>\nnull\n</parameter>\n<parameter=text>\n  two\nlines\n\n</parameter>\n"
+        "</function>\n</tool_call>")
+EDIT_ARGS = {"path": "src/a.py", "line": 42, "ratio": 0.5, "dry": True, "opts": {"a": [1]},
+             "tags": None, "text": "  two\nlines\n"}
+CODER = {
+    "typed by the schema": ("Editing.\n" + EDIT, ("Editing.", [("edit", EDIT_ARGS)])),
+    "not of its type: kept as text": (
+        "<tool_call><function=edit><parameter=line>forty</parameter></function></tool_call>",
+        ("", [("edit", {"line": "forty"})])),
+    "an unknown tool's values are text": (
+        "<tool_call><function=run><parameter=n>\n3\n</parameter></function></tool_call>",
+        ("", [("run", {"n": "3"})])),
+    "no parameters": ("<tool_call>\n<function=now>\n</function>\n</tool_call>",
+                      ("", [("now", {})])),
+    "hermes JSON is not this format": ('<tool_call>{"name": "f"}</tool_call>',
+                                       ('<tool_call>{"name": "f"}</tool_call>', [])),
+    "text between parameters: kept": (
+        "<tool_call><function=f>hi<parameter=a>1</parameter></function></tool_call>",
+        ("<tool_call><function=f>hi<parameter=a>1</parameter></function></tool_call>", [])),
+}
+
+
+def coder(text: str, rng: random.Random | None = None) -> tuple[str, list]:
+    n = itertools.count()
+    p = Qwen3CoderCalls(lambda: f"call_{next(n)}", SCHEMA)
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12)))) \
+        if rng else []
+    out = [p.feed(text[a:b])[0] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    out.append(p.end())
+    return "".join(out), [(c.name, json.loads(c.arguments)) for c in p.calls]
+
+
+@pytest.mark.parametrize("name", CODER)
+def test_qwen3_coder_blocks_whole_and_split(name):
+    text, expected = CODER[name]
+    assert coder(text) == expected
+    rng = random.Random(name)
+    for _ in range(30):
+        assert coder(text, rng) == expected

@@ -129,3 +129,21 @@ def test_an_unknown_parser_is_a_config_error():
     with pytest.raises(ConfigError) as e:
         parse_config({"model": {"tool_call_parser": "mistral"}})
     assert e.value.key == "model.tool_call_parser"
+
+
+@pytest.mark.parametrize("config_overrides", [{"model": {"dir": "/models/qwen3-coder",
+                                                         "tool_call_parser": "qwen3_coder"}}])
+async def test_qwen3_coder_calls_are_typed_by_the_requests_tools(client, config_overrides,
+                                                                 monkeypatch):
+    model_says(monkeypatch, "<tool_call>\n<function=read_file>\n<parameter=path>\na.py\n"
+                            "</parameter>\n<parameter=lines>\n20\n</parameter>\n</function>\n"
+                            "</tool_call>")
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"},
+                                         "lines": {"type": "integer"}}}}}]
+    r = await openai_client(client).chat.completions.create(
+        model="evinfra-fake", messages=MSG, tools=tools, max_tokens=200)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "read_file"
+    assert json.loads(call.function.arguments) == {"path": "a.py", "lines": 20}
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None

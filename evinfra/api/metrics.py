@@ -17,6 +17,7 @@ from evinfra.service import Service
 __all__ = ["Metrics"]
 
 _LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+_PER_TOKEN = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
 
 
 class Metrics:
@@ -29,6 +30,12 @@ class Metrics:
                               registry=r)
         self.e2e = Histogram("evinfra_e2e_seconds", "Request latency, arrival to last token",
                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("evinfra_tpot_seconds",
+                              "Time per output token after the first, per request",
+                              buckets=_PER_TOKEN, registry=r)
+        self.queued = Histogram("evinfra_prefill_queue_seconds",
+                                "Arrival to prefill start, by prefill node (paper C.3)",
+                                ["node"], buckets=_LATENCY, registry=r)
         self.prompt = Counter("evinfra_prompt_tokens", "Input tokens of finished requests", registry=r)
         self.cached = Counter("evinfra_cached_tokens", "Input tokens whose KV was reused", registry=r)
         self.fetched = Counter("evinfra_fetched_tokens", "Reused tokens fetched from peers", registry=r)
@@ -44,6 +51,10 @@ class Metrics:
             return
         if d.first_token is not None:
             self.ttft.observe(d.first_token - d.arrival)
+            if d.output_tokens > 1:
+                self.tpot.observe((d.end - d.first_token) / (d.output_tokens - 1))
+        if d.prefill_start is not None and d.prefill_node is not None:
+            self.queued.labels(d.prefill_node).observe(d.prefill_start - d.arrival)
         self.e2e.observe(d.end - d.arrival)
         self.prompt.inc(d.prompt_tokens)
         self.cached.inc(d.cached_tokens)

@@ -20,3 +20,16 @@ async def test_the_split_label_says_collocated_during_the_warm_up(client):
             break
         await asyncio.sleep(0.01)
     assert s["label"] == "2P2D" and s["collocated"] == [] and s["decode"] == ["n2", "n3"]
+
+
+async def test_metrics_time_per_output_token_and_prefill_queueing(client):
+    r = await client.post("/v1/completions", json={"model": "evinfra-fake", "prompt": "hi",
+                                                   "max_tokens": 5, "ignore_eos": True})
+    assert r.status == 200, await r.text()
+    metrics = await (await client.get("/metrics")).text()
+    count = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+             if "_count" in line and not line.startswith("#")}
+    assert count["evinfra_tpot_seconds_count"] == 1.0
+    queued = {k: v for k, v in count.items() if k.startswith("evinfra_prefill_queue_seconds")}
+    assert len(queued) == 1 and list(queued.values()) == [1.0]
+    assert 'node="n' in next(iter(queued))

@@ -62,7 +62,6 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     """How the model writes tool calls (``evinfra/api/tool_calls.py``): ``hermes`` for the
     ``<tool_call>`` JSON blocks of Qwen2.5, Qwen3 and Hermes models, ``qwen3_coder`` for
     Qwen3-Coder's ``<function=...>`` blocks. None: see :attr:`tool_calls`."""
-
     reasoning_parser: Literal["think"] | None = None
     """``think``: a thinking model's ``<think>...</think>`` block (Qwen3, DeepSeek-R1, QwQ)
     is returned as the chat message's ``reasoning_content`` (``evinfra/api/reasoning.py``).

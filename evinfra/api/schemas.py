@@ -75,6 +75,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     """Add the output token ids to each choice (``token_ids``), as vLLM does: a replay client
     needs them to build the next prompt exactly."""
 
+
 class FunctionDef(msgspec.Struct, frozen=True, omit_defaults=True):
     name: str
     description: str | None = None

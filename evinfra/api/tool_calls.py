@@ -54,8 +54,12 @@ class TaggedCalls:
         self._new_id = new_id
         self._tools = {t["function"]["name"]: t["function"] for t in tools or ()}
         self._buf = ""
-        """Text not yet decided: a block's body so far, or what may begin a start tag."""
+        """Outside a block: what may begin a start tag (held until the next delta)."""
         self._inside = False
+        self._body: list[str] = []
+        """Inside a block: its text so far, in pieces (a call that writes a file may be long:
+        each delta is searched for the end tag together with ``_tail`` only)."""
+        self._tail = ""
         self._held = ""
         """Trailing whitespace of the content so far: content if more content follows."""
         self.calls: list[ToolCall] = []
@@ -64,37 +68,46 @@ class TaggedCalls:
         """The content this delta lets out, and the calls it completes."""
         out: list[str] = []
         calls: list[ToolCall] = []
-        buf = self._buf + delta
-        while True:
+        text = delta
+        while text:
             if not self._inside:
+                buf, self._buf = self._buf + text, ""
                 i = buf.find(self.START)
                 if i < 0:
                     k = partial_tag(buf, self.START)
                     self._content(buf[:len(buf) - k], out)
-                    buf = buf[len(buf) - k:]
+                    self._buf = buf[len(buf) - k:]
                     break
                 self._content(buf[:i], out)
-                buf, self._inside = buf[i + len(self.START):], True
+                text, self._inside = buf[i + len(self.START):], True
+                continue
+            window = self._tail + text
+            j = window.find(self.END)
+            if j < 0:
+                self._body.append(text)
+                self._tail = window[-(len(self.END) - 1):]
+                break
+            whole = "".join(self._body) + text
+            cut = len(whole) - len(window) + j
+            body, text = whole[:cut], whole[cut + len(self.END):]
+            self._inside, self._body, self._tail = False, [], ""
+            call = self._parse(body)
+            if call is None:
+                self._content(self.START + body + self.END, out)
             else:
-                j = buf.find(self.END)
-                if j < 0:
-                    break
-                body, buf, self._inside = buf[:j], buf[j + len(self.END):], False
-                call = self._parse(body)
-                if call is None:
-                    self._content(self.START + body + self.END, out)
-                else:
-                    self._held = ""
-                    calls.append(call)
-        self._buf = buf
+                self._held = ""
+                calls.append(call)
         self.calls += calls
         return "".join(out), calls
 
     def end(self) -> str:
         """The content left when the text ends."""
         out: list[str] = []
-        self._content(self.START + self._buf if self._inside else self._buf, out)
-        self._buf, self._inside = "", False
+        if self._inside:
+            self._content(self.START + "".join(self._body), out)
+        else:
+            self._content(self._buf, out)
+        self._buf, self._inside, self._body, self._tail = "", False, [], ""
         if not self.calls:
             out.append(self._held)
         self._held = ""

@@ -23,6 +23,7 @@ from evinfra.api.schemas import (UNSERVED_MESSAGES, AgentHints, ChatCompletionRe
                                  CompletionRequest, decode_body)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
+from evinfra.api.tags import partial_tag
 from evinfra.api.reasoning import ThinkSplit
 from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
 from evinfra.api.tool_calls import TaggedCalls, ToolCall
@@ -60,7 +61,6 @@ class _Detokenizer:
         self.ids: list[int] = []
         self.prefix = 0
         self.read = 0
-        self.text = ""
 
     def add(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
@@ -69,7 +69,6 @@ class _Detokenizer:
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             delta = new_text[len(prefix_text):]
             self.prefix, self.read = self.read, len(self.ids)
-            self.text += delta
             return delta
         return ""
 
@@ -271,9 +270,12 @@ class OpenAIRoutes:
 
     async def _outputs(self, rid: str, channel: _Channel, stops: list[str]):
         """Yields ``("text", delta, ids)`` then ``("done", record, finish, all_ids, ids)``,
-        ``ids`` the output token ids not yielded before; raises the request's error."""
+        ``ids`` the output token ids not yielded before; raises the request's error.
+
+        Text that may begin a stop string is held back until the next delta says whether it
+        does (a stop string often spans tokens): none of a matched stop string is sent."""
         detok = _Detokenizer(self.tok)
-        longest = max((len(s) for s in stops), default=0)
+        held = ""
         sent = 0
 
         def new_ids() -> list[int]:
@@ -286,13 +288,12 @@ class OpenAIRoutes:
             if isinstance(item, list):
                 delta = detok.add(item)
                 if stops and delta:
-                    start = max(0, len(detok.text) - len(delta) - longest)
-                    hits = [i for i in (detok.text.find(s, start) for s in stops) if i >= 0]
+                    window = held + delta
+                    hits = [i for i in (window.find(s) for s in stops) if i >= 0]
                     if hits:
                         cut = min(hits)
-                        keep = cut - (len(detok.text) - len(delta))
-                        if keep > 0:
-                            yield "text", delta[:keep], new_ids()
+                        if cut > 0:
+                            yield "text", window[:cut], new_ids()
                         self.service.abort(rid)  # its record arrives synchronously
                         record = None
                         while not channel.queue.empty():
@@ -301,12 +302,16 @@ class OpenAIRoutes:
                                 record = it[0]
                         yield "done", record, "stop", detok.ids, new_ids()
                         return
+                    k = max(partial_tag(window, s) for s in stops)
+                    delta, held = window[:len(window) - k], window[len(window) - k:]
                 if delta:
                     yield "text", delta, new_ids()
                 continue
             record, error = item
             if error is not None:
                 raise error
+            if held:
+                yield "text", held, new_ids()
             yield "done", record, record.finish or "stop", detok.ids, new_ids()
             return
 

@@ -3,8 +3,9 @@
 The handler validates the body, applies the chat template and tokenizes, reads the agent
 hints, submits to the service and relays the output. Output text comes from an incremental
 detokenizer (only the last few tokens are decoded again per step); ``stop`` strings are
-matched on the text and end the request early; with ``tools``, the model's tool calls are read
-out of the text (``tool_calls.py``). ``usage`` reports
+matched on the text and end the request early (none of a matched one is sent). A chat output
+may be read further: a thinking model's reasoning apart (``reasoning.py``) and, with
+``tools``, the model's tool calls (``tool_calls.py``). ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the input tokens whose KV the request reused.
 """
 
@@ -23,8 +24,8 @@ from evinfra.api.schemas import (UNSERVED_MESSAGES, AgentHints, ChatCompletionRe
                                  CompletionRequest, decode_body)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
-from evinfra.api.tags import partial_tag
 from evinfra.api.reasoning import ThinkSplit
+from evinfra.api.tags import partial_tag
 from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
 from evinfra.api.tool_calls import TaggedCalls, ToolCall
 from evinfra.core.events import RequestDone

@@ -178,7 +178,10 @@ class OpenAIRoutes:
         app.router.add_get("/v1/models/{model}", self.model_info)
 
     def _model(self) -> dict[str, object]:
-        return {"id": self.model.name, "object": "model", "created": 0, "owned_by": "evinfra"}
+        """OpenAI's fields, and the context window as vLLM and SGLang give it (harnesses read
+        it to know when to compact)."""
+        return {"id": self.model.name, "object": "model", "created": 0, "owned_by": "evinfra",
+                "max_model_len": self.model.max_context_tokens}
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model()]})

@@ -70,6 +70,8 @@ async def test_unknown_model(client):
     assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
     r = await client.get("/v1/models/evinfra-fake")
     assert r.status == 200 and (await r.json())["id"] == "evinfra-fake"
+    listed = (await (await client.get("/v1/models")).json())["data"]
+    assert listed == [await r.json()] and listed[0]["max_model_len"] == 262_144
 
 
 async def test_an_empty_stop_string_stops_nothing(client):

@@ -119,7 +119,7 @@ def _chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
         raise RequestError("messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # (a list is not hashable)
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
     return tok.apply_chat_template(body.messages, body.template_tools(),

@@ -55,12 +55,13 @@ def message_text(message: Message) -> str:
 
 
 def _arguments(messages: list[Message]) -> list[Message]:
-    """The messages with each assistant tool call's ``arguments`` (a JSON string, as OpenAI
-    sends it) as the object chat templates expect (SGLang and vLLM convert them too)."""
+    """The messages with each tool call's ``arguments`` (a JSON string, as OpenAI sends it) as
+    the object chat templates expect (SGLang and vLLM convert them too). Calls are an
+    assistant's, but whatever message carries them, a template reads them."""
     out = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls")
-        if m.get("role") == "assistant" and calls:
+        if calls:
             if not isinstance(calls, list) or not all(
                     isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
                 raise RequestError("tool_calls must be a list of {id, type, function}",
@@ -167,7 +168,10 @@ class HFTokenizer:
                                           "add_generation_prompt": True,
                                           "bos_token": self.bos_token,
                                           "eos_token": self.eos_token})
-        except self._template_error as exc:
+        except (self._template_error, TypeError, ValueError, LookupError,
+                AttributeError) as exc:
+            # The template is the model's and the values are the request's: whatever the
+            # render trips on (a string added to a number, a missing key), a 400.
             raise RequestError(f"chat template: {exc}", param="messages") from exc
 
 

@@ -47,6 +47,8 @@ async def test_wrong_types(client):
                  param="prompt")
     await expect(client, CHAT, body(model="evinfra-fake", messages=[{"role": "robot", "content": "x"}]),
                  400, param="messages[0].role")
+    await expect(client, CHAT, body(model="evinfra-fake", messages=[{"role": ["user"]}]), 400,
+                 param="messages[0].role")  # (was a 500: a list is not hashable)
     await expect(client, CHAT, body(model="evinfra-fake", messages=MSG,
                                     evinfra={"branch": "typo"}), 400)
 

@@ -25,12 +25,16 @@ TEMPLATE = (
     "{%- endif %}")
 
 
+def hf(path, template: str) -> HFTokenizer:
+    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(
+        str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return HFTokenizer(path)
+
+
 @pytest.fixture
 def tok(tmp_path):
-    Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")).save(
-        str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return HFTokenizer(tmp_path)
+    return hf(tmp_path, TEMPLATE)
 
 
 def test_tools_and_the_call_history_are_rendered(tok):
@@ -81,3 +85,11 @@ async def test_the_chat_route_hands_the_template_its_kwargs(client, monkeypatch)
         "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status == 200, await r.text()
     assert seen == [{"enable_thinking": False}]
+
+
+@pytest.mark.parametrize("extra", [{"budget": "ten"}, {"budget": {}}, {"budget": None}])
+def test_a_template_that_trips_on_the_requests_values_is_a_400(tmp_path, extra):
+    tok = hf(tmp_path, "{{ messages[0].content }}{{ budget + 1 }}{{ budget.x.y }}")
+    with pytest.raises(RequestError) as e:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], extra=extra)
+    assert e.value.message.startswith("chat template:")

@@ -1,0 +1,102 @@
+"""Whatever a body holds, the answer is a 200 or a 4xx, never a 5xx (bad input is the
+client's error, and the server keeps serving): hypothesis-made bodies, seeded."""
+
+import asyncio
+import json
+import threading
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evinfra.api import build_app
+from evinfra.api.tokenizer import ByteTokenizer
+from evinfra.config import parse_config
+from evinfra.core.clock import WallClock
+from evinfra.service import Service
+from tests.api.conftest import BASE, merged
+
+WORDS = ["auto", "none", "required", "function", "text", "json_object", "user", "assistant",
+         "tool", "system", "<tool_call>", "<think>"]
+FIELDS = ["type", "function", "name", "arguments", "parameters", "content", "role",
+          "tool_calls", "id", "text", "properties", "json_schema", "include_usage", "branch_id",
+          "final"]
+KEYS = ["model", "messages", "prompt", "max_tokens", "stream", "stream_options", "temperature",
+        "top_p", "n", "stop", "seed", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "top_k", "min_p", "logit_bias", "ignore_eos", "evinfra",
+        "return_token_ids", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+        "chat_template_kwargs", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
+        "best_of"]
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64),
+                 st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
+                 st.sampled_from(WORDS))
+value = st.recursive(leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(FIELDS), inner, max_size=4)),
+    max_leaves=10)
+function = st.one_of(value, st.fixed_dictionaries(
+    {"name": st.one_of(st.text(max_size=5), value)},
+    optional={"arguments": st.one_of(st.just('{"a": 1}'), st.just("{oops"), value),
+              "parameters": value}))
+call = st.one_of(value, st.fixed_dictionaries({"function": function},
+                                              optional={"id": value, "type": value}))
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool", "system"])},
+    optional={"content": st.one_of(st.text(max_size=5), st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"])}, optional={"text": value}),
+        max_size=2), value), "tool_calls": st.one_of(st.lists(call, max_size=2), value)})
+tools = st.one_of(value, st.lists(st.fixed_dictionaries(
+    {"function": function}, optional={"type": st.sampled_from(["function", "other"])}),
+    max_size=2))
+anything = st.dictionaries(st.sampled_from(KEYS), value, max_size=8)
+"""Bodies that mostly fail the schema."""
+plausible = st.fixed_dictionaries(
+    {"model": st.just("evinfra-fake"), "max_tokens": st.integers(-1, 6),
+     "messages": st.one_of(value, st.lists(message, min_size=1, max_size=3))},
+    optional={"tools": tools, "stream": st.booleans(),
+              "tool_choice": st.sampled_from(["auto", "none"]),
+              "stop": st.lists(st.sampled_from(["a", "<", "</think>"]), max_size=2),
+              "chat_template_kwargs": st.dictionaries(st.text(max_size=5), value, max_size=2)})
+"""Chat bodies that get past the schema more often than not, to reach the later checks."""
+
+
+@pytest.fixture(scope="module")
+def post():
+    """A service and its app on a loop of their own (hypothesis drives a sync test)."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    async def start():
+        config = parse_config(merged(BASE, {"model": {"reasoning_parser": "think"}}))
+        svc = Service.from_config(config, WallClock())
+        await svc.start()
+        client = TestClient(TestServer(build_app(svc, ByteTokenizer())))
+        await client.start_server()
+        return svc, client
+
+    svc, client = run(start())
+
+    async def send(path, body):
+        r = await client.post(path, data=json.dumps(body))
+        return r.status, await r.text()
+
+    yield lambda path, body: run(send(path, body))
+
+    async def stop():
+        await client.close()
+        await svc.stop()
+
+    run(stop())
+    loop.call_soon_threadsafe(loop.stop)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.one_of(st.tuples(anything, st.booleans()), st.tuples(plausible, st.just(True))))
+def test_no_body_gets_a_server_error(post, case):
+    body, chat = case
+    status, text = post("/v1/chat/completions" if chat else "/v1/completions", body)
+    assert status < 500, (body, text[:500])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+import msgspec.inspect
 
 from evinfra.baselines.policy import PolicyConfig
 from evinfra.core.types import NonNegFloat, PosFloat, PosInt
@@ -76,7 +77,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
 
 class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    name: str
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    """How the API, metrics and logs name the node."""
     url: str = ""
     """The engine's HTTP base URL (SGLang driver); unused by fake engines."""
 
@@ -139,4 +141,25 @@ def parse_config(raw: dict, path: str = "<config>") -> Config:
         if " - at `$." in msg:
             msg, _, where = msg.partition(" - at `$.")
             key = where.rstrip("`").replace("[", ".").replace("]", "")
+            if msg.startswith("Invalid enum value"):
+                choices = _choices(key)
+                if choices:
+                    msg += f": one of {', '.join(map(repr, choices))}"
         raise ConfigError(msg, path=path, key=key) from exc
+
+
+def _choices(key: str) -> tuple | None:
+    """The values the config field at ``key`` (``a.b.0.c``) takes, if it is a Literal."""
+    t: object = msgspec.inspect.type_info(Config)
+    for part in key.split("."):
+        if isinstance(t, msgspec.inspect.ListType):
+            t = t.item_type
+            continue
+        fields = {f.name: f.type for f in getattr(t, "fields", ())}
+        if part not in fields:
+            return None
+        t = fields[part]
+    for u in t.types if isinstance(t, msgspec.inspect.UnionType) else (t,):
+        if isinstance(u, msgspec.inspect.LiteralType):
+            return u.values
+    return None

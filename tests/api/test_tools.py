@@ -7,8 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from evinfra.config import parse_config
-from evinfra.errors import ConfigError
 from tests.api.conftest import body, model_says, openai_client
 
 CHAT = "/v1/chat/completions"
@@ -125,12 +123,6 @@ async def test_a_model_dir_with_its_parser_named_serves_tools(client, config_ove
                                           max_tokens=len(SAYS)))
     assert r.status == 200, await r.text()
     assert len((await r.json())["choices"][0]["message"]["tool_calls"]) == 2
-
-
-def test_an_unknown_parser_is_a_config_error():
-    with pytest.raises(ConfigError) as e:
-        parse_config({"model": {"tool_call_parser": "mistral"}})
-    assert e.value.key == "model.tool_call_parser"
 
 
 @pytest.mark.parametrize("config_overrides", [{"model": {"dir": "/models/qwen3-coder",

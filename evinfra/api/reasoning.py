@@ -2,11 +2,12 @@
 
 Thinking models (Qwen3, DeepSeek-R1, QwQ) write their reasoning in a ``<think>...</think>``
 block before the answer; OpenAI-compatible servers return it apart, as ``reasoning_content``
-(SGLang's ``--reasoning-parser``), so that an agent can leave it out of its next context (paper
-Fig. 2c: the ``cc`` harness does). The block opens either in the output (Qwen3) or at the end of
-the prompt the chat template rendered (DeepSeek-R1, Qwen3 thinking-only models): the caller
-says which (``forced``). An unterminated block is all reasoning; an output that does not open
-one (Qwen3 with ``enable_thinking: false``) is all answer.
+(SGLang's ``--reasoning-parser``), so that an agent can leave it out of its next context (as
+the ``cc`` workload's harness does, ``evinfra/workloads/cc.py``). The block opens either in
+the output (Qwen3) or at the end of the prompt the chat template rendered (DeepSeek-R1, Qwen3
+thinking-only models): the caller says which (``forced``). An unterminated block is all
+reasoning; an output that does not open one (Qwen3 with ``enable_thinking: false``) is all
+answer.
 
 A stream, like the tool-call parser: deltas in, (reasoning, answer) out, the same for any split
 of the same text.

@@ -215,7 +215,8 @@ class OpenAIRoutes:
             # The template may open the reasoning block itself (DeepSeek-R1's does).
             forced = prompt.rstrip().endswith(ThinkSplit.START)
             out = _ChatOutput(think(forced) if think else None,
-                              calls(_call_id, body.template_tools()) if calls else None)
+                              calls(_call_id, body.template_tools(), body.parallel_tool_calls)
+                              if calls else None)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
                                  out=out)

@@ -110,7 +110,7 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     """Only ``none`` and ``auto`` are served: ``required`` and a named function need
     constrained decoding (refused)."""
     parallel_tool_calls: bool = True
-    """Every call the model writes is returned."""
+    """False: only the first call the model writes is returned."""
     response_format: ResponseFormat | None = None
     """Only ``text`` is served: ``json_object`` and ``json_schema`` are refused (an answer
     that is not the JSON asked for would read as one that is)."""

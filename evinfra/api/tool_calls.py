@@ -49,9 +49,13 @@ class TaggedCalls:
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, new_id: Callable[[], str], tools: list[dict] | None = None) -> None:
-        """``tools``: the request's, as the chat template got them."""
+    def __init__(self, new_id: Callable[[], str], tools: list[dict] | None = None,
+                 parallel: bool = True) -> None:
+        """``tools``: the request's, as the chat template got them. Not ``parallel``
+        (OpenAI's ``parallel_tool_calls: false``): the first call only; the blocks after it
+        are dropped."""
         self._new_id = new_id
+        self._parallel = parallel
         self._tools = {t["function"]["name"]: t["function"] for t in tools or ()}
         self._buf = ""
         """Outside a block: what may begin a start tag (held until the next delta)."""
@@ -96,7 +100,8 @@ class TaggedCalls:
                 self._content(self.START + body + self.END, out)
             else:
                 self._held = ""
-                calls.append(call)
+                if self._parallel or not (self.calls or calls):
+                    calls.append(call)
         self.calls += calls
         return "".join(out), calls
 

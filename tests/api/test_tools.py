@@ -141,3 +141,20 @@ async def test_qwen3_coder_calls_are_typed_by_the_requests_tools(client, config_
     assert call.function.name == "read_file"
     assert json.loads(call.function.arguments) == {"path": "a.py", "lines": 20}
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+
+
+async def test_parallel_tool_calls_false_returns_the_first_call_only(client, says_calls):
+    oa = openai_client(client)
+    r = await oa.chat.completions.create(model="evinfra-fake", messages=MSG, tools=TOOLS,
+                                         max_tokens=len(SAYS), parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"path": "a.py"}
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.content == "Let me read it."
+    streamed = []
+    async for chunk in await oa.chat.completions.create(
+            model="evinfra-fake", messages=MSG, tools=TOOLS, max_tokens=len(SAYS),
+            parallel_tool_calls=False, stream=True):
+        streamed += chunk.choices[0].delta.tool_calls or []
+    assert [(c.index, json.loads(c.function.arguments)) for c in streamed] == \
+        [(0, {"path": "a.py"})]

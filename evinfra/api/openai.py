@@ -114,7 +114,7 @@ def _prompt_tokens(body: CompletionRequest, tok: Tokenizer) -> np.ndarray:
     return tok.encode(one) if isinstance(one, str) else _token_ids(one)
 
 
-def _chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
+def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tokenizer) -> str:
     if not body.messages:
         raise RequestError("messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
@@ -122,8 +122,7 @@ def _chat_prompt(body: ChatCompletionRequest, tok: Tokenizer) -> str:
         if not isinstance(role, str) or role not in _ROLES:  # (a list is not hashable)
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
-    return tok.apply_chat_template(body.messages, body.template_tools(),
-                                   body.chat_template_kwargs)
+    return tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs)
 
 
 def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -200,23 +199,23 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)
         _refuse_unserved(body)
-        calls = None
-        if body.template_tools() is not None:
+        tools, read_calls = body.template_tools(), None
+        if tools is not None:
             if self.model.tool_calls is None:
                 raise RequestError("tools need the model's tool-call format: set "
                                    "model.tool_call_parser in the config (one of: "
                                    f"{', '.join(TOOL_PARSERS)})", param="tools")
-            calls = TOOL_PARSERS[self.model.tool_calls]
-        prompt = _chat_prompt(body, self.tok)
+            read_calls = TOOL_PARSERS[self.model.tool_calls]
+        prompt = _chat_prompt(body, tools, self.tok)
         think = REASONING_PARSERS[self.model.reasoning_parser] \
             if self.model.reasoning_parser else None
         out = None
-        if think is not None or calls is not None:
+        if think is not None or read_calls is not None:
             # The template may open the reasoning block itself (DeepSeek-R1's does).
             forced = prompt.rstrip().endswith(ThinkSplit.START)
             out = _ChatOutput(think(forced) if think else None,
-                              calls(_call_id, body.template_tools(), body.parallel_tool_calls)
-                              if calls else None)
+                              TaggedCalls(read_calls, _call_id, tools, body.parallel_tool_calls)
+                              if read_calls else None)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
                                  out=out)

@@ -27,7 +27,11 @@ import msgspec
 
 from evinfra.api.tags import partial_tag
 
-__all__ = ["PARSERS", "HermesCalls", "Qwen3CoderCalls", "TaggedCalls", "ToolCall"]
+__all__ = ["PARSERS", "TaggedCalls", "ToolCall", "read_hermes", "read_qwen3_coder"]
+
+Reader = Callable[[str, dict[str, dict]], "tuple[str, dict] | None"]
+"""A format: a block's body and the request's tools by name -> the call (its function's name
+and arguments), or None when the body is not a call in this format."""
 
 
 class ToolCall(msgspec.Struct, frozen=True):
@@ -44,16 +48,17 @@ class ToolCall(msgspec.Struct, frozen=True):
 
 
 class TaggedCalls:
-    """The stream of a format that writes each call in a ``<tool_call>`` block; a format
-    reads a block's body (:meth:`_read`)."""
+    """The stream of a format that writes each call in a ``<tool_call>`` block; ``read``
+    (one of :data:`PARSERS`) reads a block's body."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self, new_id: Callable[[], str], tools: list[dict] | None = None,
-                 parallel: bool = True) -> None:
+    def __init__(self, read: Reader, new_id: Callable[[], str],
+                 tools: list[dict] | None = None, parallel: bool = True) -> None:
         """``tools``: the request's, as the chat template got them. Not ``parallel``
         (OpenAI's ``parallel_tool_calls: false``): the first call only; the blocks after it
         are dropped."""
+        self._read = read
         self._new_id = new_id
         self._parallel = parallel
         self._tools = {t["function"]["name"]: t["function"] for t in tools or ()}
@@ -126,49 +131,46 @@ class TaggedCalls:
         self._held = text[len(kept):]
 
     def _parse(self, body: str) -> ToolCall | None:
-        read = self._read(body)
+        read = self._read(body, self._tools)
         if read is None:
             return None
         name, args = read
         return ToolCall(self._new_id(), name, json.dumps(args, ensure_ascii=False))
 
-    def _read(self, body: str) -> tuple[str, dict] | None:
-        """A block's call (its function's name and arguments), or None."""
-        raise NotImplementedError
 
-
-class HermesCalls(TaggedCalls):
-    def _read(self, body: str) -> tuple[str, dict] | None:
+def read_hermes(body: str, tools: dict[str, dict]) -> tuple[str, dict] | None:
+    """``{"name": ..., "arguments": {...}}`` (the tools are not needed)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            obj = json.loads(body)
+            args = json.loads(args)
         except ValueError:
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        return (obj["name"], args) if isinstance(args, dict) else None
+    return (obj["name"], args) if isinstance(args, dict) else None
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
-class Qwen3CoderCalls(TaggedCalls):
-    def _read(self, body: str) -> tuple[str, dict] | None:
-        m = _FUNCTION.fullmatch(body)
-        if m is None:
-            return None
-        name, inner = m.group(1).strip(), m.group(2)
-        params = _PARAMETER.findall(inner)
-        if _PARAMETER.sub("", inner).strip():
-            return None  # text outside the parameters: not this format
-        props = ((self._tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
-        return name, {p.strip(): _typed(_unwrap(v), props.get(p.strip())) for p, v in params}
+def read_qwen3_coder(body: str, tools: dict[str, dict]) -> tuple[str, dict] | None:
+    """``<function=NAME><parameter=P>value</parameter>...</function>``, each value read as the
+    type ``tools`` gives its parameter."""
+    m = _FUNCTION.fullmatch(body)
+    if m is None:
+        return None
+    name, inner = m.group(1).strip(), m.group(2)
+    params = _PARAMETER.findall(inner)
+    if _PARAMETER.sub("", inner).strip():
+        return None  # text outside the parameters: not this format
+    props = ((tools.get(name) or {}).get("parameters") or {}).get("properties") or {}
+    return name, {p.strip(): _typed(_unwrap(v), props.get(p.strip())) for p, v in params}
 
 
 def _unwrap(value: str) -> str:
@@ -203,5 +205,5 @@ def _typed(value: str, schema: object) -> object:
     return value
 
 
-PARSERS: dict[str, type[TaggedCalls]] = {"hermes": HermesCalls, "qwen3_coder": Qwen3CoderCalls}
-"""``model.tool_call_parser`` names: a fresh parser per response."""
+PARSERS: dict[str, Reader] = {"hermes": read_hermes, "qwen3_coder": read_qwen3_coder}
+"""``model.tool_call_parser`` names: a response's :class:`TaggedCalls` reads with one."""

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evinfra.api.reasoning import ThinkSplit
-from evinfra.api.tool_calls import HermesCalls, Qwen3CoderCalls
+from evinfra.api.tool_calls import TaggedCalls, read_hermes, read_qwen3_coder
 
 PIECES = ["<tool_call>", "</tool_call>", "<tool", "</tool_", "{", "}", '"name"', ":", '"f"',
           '"arguments"', "{}", "\n", " ", "a", "<think>", "</think>", "<function=f>",
@@ -25,9 +25,9 @@ def pieces(text: str, seed: int) -> list[str]:
     return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
-def calls(cls, parts: list[str]) -> tuple[str, list]:
+def calls(read, parts: list[str]) -> tuple[str, list]:
     n = itertools.count()
-    p = cls(lambda: f"call_{next(n)}", TOOLS)
+    p = TaggedCalls(read, lambda: f"call_{next(n)}", TOOLS)
     content = [p.feed(x)[0] for x in parts] + [p.end()]
     return "".join(content), [(c.name, c.arguments) for c in p.calls]
 
@@ -42,9 +42,9 @@ def think(forced: bool, parts: list[str]) -> tuple[str, str]:
 @given(text=texts, seed=st.integers(0, 2**32))
 def test_any_split_reads_as_the_whole_text(text, seed):
     parts = pieces(text, seed)
-    for cls in (HermesCalls, Qwen3CoderCalls):
-        whole = calls(cls, [text])
-        assert calls(cls, parts) == whole
+    for read in (read_hermes, read_qwen3_coder):
+        whole = calls(read, [text])
+        assert calls(read, parts) == whole
         if not whole[1]:
             assert whole[0] == text
     for forced in (False, True):

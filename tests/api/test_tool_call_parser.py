@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from evinfra.api.tool_calls import HermesCalls, Qwen3CoderCalls
+from evinfra.api.tool_calls import TaggedCalls, read_hermes, read_qwen3_coder
 
 
-def fresh() -> HermesCalls:
+def fresh() -> TaggedCalls:
     n = itertools.count()
-    return HermesCalls(lambda: f"call_{next(n)}")
+    return TaggedCalls(read_hermes, lambda: f"call_{next(n)}")
 
 
 def whole(text: str) -> tuple[str, list]:
@@ -112,7 +112,7 @@ CODER = {
 
 def coder(text: str, rng: random.Random | None = None) -> tuple[str, list]:
     n = itertools.count()
-    p = Qwen3CoderCalls(lambda: f"call_{next(n)}", SCHEMA)
+    p = TaggedCalls(read_qwen3_coder, lambda: f"call_{next(n)}", SCHEMA)
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12)))) \
         if rng else []
     out = [p.feed(text[a:b])[0] for a, b in zip([0] + cuts, cuts + [len(text)])]

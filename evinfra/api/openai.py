@@ -20,12 +20,12 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from evinfra.api.markers import partial_marker
+from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
+from evinfra.api.reasoning import ThinkSplit
 from evinfra.api.schemas import (UNSERVED_MESSAGES, AgentHints, ChatCompletionRequest,
                                  CompletionRequest, decode_body)
 from evinfra.api.tokenizer import Tokenizer
-from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
-from evinfra.api.reasoning import ThinkSplit
-from evinfra.api.tags import partial_tag
 from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
 from evinfra.api.tool_calls import TaggedCalls, ToolCall
 from evinfra.core.events import RequestDone
@@ -162,6 +162,10 @@ class _ChatOutput:
             return reasoning, content, []
         content, calls = self.parser.feed(content) if content else ("", [])
         return reasoning, content + self.parser.end(), calls
+
+    def finish(self, reason: str) -> str:
+        """The request's finish as OpenAI names it: a stop after calls is ``tool_calls``."""
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
 
 class OpenAIRoutes:
@@ -306,7 +310,7 @@ class OpenAIRoutes:
                                 record = it[0]
                         yield "done", record, "stop", detok.ids, new_ids()
                         return
-                    k = max(partial_tag(window, s) for s in stops)
+                    k = max(partial_marker(window, s) for s in stops)
                     delta, held = window[:len(window) - k], window[len(window) - k:]
                 if delta:
                     yield "text", delta, new_ids()
@@ -346,7 +350,7 @@ class OpenAIRoutes:
             if out.calls:
                 message["tool_calls"] = [c.wire() for c in out.calls]
                 content = content or None
-                finish = "tool_calls" if finish == "stop" else finish
+            finish = out.finish(finish)
         message["content"] = content
         choice = ({"index": 0, "message": message, "finish_reason": finish,
                    "logprobs": None} if chat else
@@ -427,8 +431,7 @@ class OpenAIRoutes:
                 _, record, finish, ids, rest = item
                 if out is not None:
                     yield read(*out.end())
-                    if out.calls and finish == "stop":
-                        finish = "tool_calls"
+                    finish = out.finish(finish)
                 yield chunk(None if chat else "", finish, ids=rest)
                 opts = body.stream_options
                 if opts is not None and opts.include_usage:

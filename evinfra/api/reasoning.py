@@ -15,7 +15,7 @@ of the same text.
 
 from __future__ import annotations
 
-from evinfra.api.tags import partial_tag
+from evinfra.api.markers import partial_marker
 
 __all__ = ["PARSERS", "ThinkSplit"]
 
@@ -43,7 +43,7 @@ class ThinkSplit:
         if self._state == _REASONING:
             j = buf.find(self.END)
             if j < 0:
-                k = partial_tag(buf, self.END)
+                k = partial_marker(buf, self.END)
                 reasoning, buf = buf[:len(buf) - k], buf[len(buf) - k:]
             else:
                 reasoning, buf, self._state = buf[:j], buf[j + len(self.END):], _ANSWER

@@ -62,25 +62,29 @@ def _arguments(messages: list[Message]) -> list[Message]:
     for i, m in enumerate(messages):
         calls = m.get("tool_calls")
         if calls:
+            param = f"messages[{i}].tool_calls"
             if not isinstance(calls, list) or not all(
                     isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
                 raise RequestError("tool_calls must be a list of {id, type, function}",
-                                   param=f"messages[{i}].tool_calls")
-            fixed = []
-            for c in calls:
-                args = c["function"].get("arguments", "{}")
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args or "{}")
-                    except ValueError:
-                        args = None
-                if not isinstance(args, dict):
-                    raise RequestError("a tool call's function.arguments must be a JSON object",
-                                       param=f"messages[{i}].tool_calls")
-                fixed.append({**c, "function": {**c["function"], "arguments": args}})
-            m = {**m, "tool_calls": fixed}
+                                   param=param)
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments":
+                                                        _object(c["function"], param)}}
+                                     for c in calls]}
         out.append({**m, "content": message_text(m)})
     return out
+
+
+def _object(function: dict, param: str) -> dict:
+    """A call's ``arguments`` as an object: a JSON object, or a string of one."""
+    args = function.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except ValueError:
+            args = None
+    if not isinstance(args, dict):
+        raise RequestError("a tool call's function.arguments must be a JSON object", param=param)
+    return args
 
 
 _LETTERS = "etaoin shrdlucmfwypvbgkjqxz etaoin shrdlu"

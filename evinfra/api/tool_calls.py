@@ -25,7 +25,7 @@ from typing import Callable
 
 import msgspec
 
-from evinfra.api.tags import partial_tag
+from evinfra.api.markers import partial_marker
 
 __all__ = ["PARSERS", "TaggedCalls", "ToolCall", "read_hermes", "read_qwen3_coder"]
 
@@ -83,7 +83,7 @@ class TaggedCalls:
                 buf, self._buf = self._buf + text, ""
                 i = buf.find(self.START)
                 if i < 0:
-                    k = partial_tag(buf, self.START)
+                    k = partial_marker(buf, self.START)
                     self._content(buf[:len(buf) - k], out)
                     self._buf = buf[len(buf) - k:]
                     break

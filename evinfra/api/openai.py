@@ -7,6 +7,7 @@ matched on the text and end the request early (none of a matched one is sent). A
 may be read further: a thinking model's reasoning apart (``reasoning.py``) and, with
 ``tools``, the model's tool calls (``tool_calls.py``). ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the input tokens whose KV the request reused.
+``n`` choices are ``n`` requests at the service: choice 0 and forks of its branch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -168,6 +169,21 @@ class _ChatOutput:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
 
+class _Sample:
+    """One of a request's ``n`` choices: its request at the service, the channel its output
+    comes on and how it is read; once it is done, its record and output token ids."""
+
+    __slots__ = ("index", "rid", "channel", "out", "record", "ids")
+
+    def __init__(self, index: int, rid: str, out: _ChatOutput | None) -> None:
+        self.index = index
+        self.rid = rid
+        self.channel = _Channel()
+        self.out = out
+        self.record: RequestDone | None = None
+        self.ids: list[int] = []
+
+
 class OpenAIRoutes:
     def __init__(self, service: Service, tokenizer: Tokenizer) -> None:
         self.service = service
@@ -213,16 +229,19 @@ class OpenAIRoutes:
         prompt = _chat_prompt(body, tools, self.tok)
         think = REASONING_PARSERS[self.model.reasoning_parser] \
             if self.model.reasoning_parser else None
-        out = None
+        reader = None
         if think is not None or read_calls is not None:
             # The template may open the reasoning block itself (DeepSeek-R1's does).
             forced = prompt.rstrip().endswith(ThinkSplit.START)
-            out = _ChatOutput(think(forced) if think else None,
-                              TaggedCalls(read_calls, _call_id, tools, body.parallel_tool_calls)
-                              if read_calls else None)
+
+            def reader() -> _ChatOutput:
+                return _ChatOutput(think(forced) if think else None,
+                                   TaggedCalls(read_calls, _call_id, tools,
+                                               body.parallel_tool_calls)
+                                   if read_calls else None)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
-                                 out=out)
+                                 reader=reader)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
@@ -233,8 +252,6 @@ class OpenAIRoutes:
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
                max_tokens: int | None) -> Sampling:
         self._check_model(body.model)
-        if body.n != 1:
-            raise RequestError("only n = 1 is supported", param="n")
         if body.top_k == 0 or body.top_k < -1:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
         room = self.model.max_context_tokens - int(tokens.size)
@@ -256,33 +273,57 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool,
-                     out: _ChatOutput | None = None) -> web.StreamResponse:
-        """``out``: how a chat output is read (None: all content)."""
+                     reader: Callable[[], _ChatOutput] | None = None) -> web.StreamResponse:
+        """``reader`` makes how a chat output is read (None: all content), one per choice.
+
+        Choice 0 is the request on its branch. With ``n`` > 1 the others are forks of that
+        branch, each a branch of one (the harness continues its branch with the choice it
+        keeps), sent when choice 0's first token arrives: its prefill is done then, so the
+        router finds the prompt's KV in the directory and the forks reuse it, where sending
+        all at once would prefill the prompt ``n`` times."""
         sampling = self._check(body, tokens, max_tokens)
         hints = _hints(request, body.evinfra)
-        channel = _Channel()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        samples = [_Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None)
+                   for i in range(body.n)]
         self.service.submit(Submission(tokens, sampling, hints.branch_id,
-                                       hints.parent_branch_id, hints.final, rid), channel)
+                                       hints.parent_branch_id, hints.final, rid),
+                            samples[0].channel)
+
+        def fork() -> None:
+            for s in samples[1:]:
+                seed = None if sampling.seed is None else sampling.seed + s.index
+                self.service.submit(Submission(
+                    tokens, msgspec.structs.replace(sampling, seed=seed), None,
+                    hints.branch_id, True, s.rid), s.channel)
+
         # An empty stop string would match before any output: it asks for nothing.
         stops = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
+        outputs = [self._outputs(s, stops, fork if s.index == 0 and body.n > 1 else None)
+                   for s in samples]
         try:
             prompt = int(tokens.size)
             if body.stream:
-                return await self._stream(request, rid, body, channel, stops, chat, prompt,
-                                          out)
-            return await self._whole(rid, body, channel, stops, chat, prompt, out)
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.service.abort(rid)
+                return await self._stream(request, rid, body, samples, outputs, chat, prompt)
+            return await self._whole(rid, body, samples, outputs, chat, prompt)
+        except BaseException:
+            # The client went away, or a choice failed: none of the others is wanted now.
+            for s in samples:
+                self.service.abort(s.rid)
             raise
 
-    async def _outputs(self, rid: str, channel: _Channel, stops: list[str]):
-        """Yields ``("text", delta, ids)`` then ``("done", record, finish, all_ids, ids)``,
-        ``ids`` the output token ids not yielded before; raises the request's error.
+    async def _outputs(self, sample: _Sample, stops: list[str],
+                       started: Callable[[], None] | None):
+        """Yields ``("text", delta, ids)`` then ``("done", finish, ids)``, ``ids`` the output
+        token ids not yielded before; raises the request's error. At the end ``sample`` has
+        the request's record and all its output ids. ``started`` is called when the first
+        output arrives.
 
         Text that may begin a stop string is held back until the next delta says whether it
         does (a stop string often spans tokens): none of a matched stop string is sent."""
+        rid, queue = sample.rid, sample.channel.queue
         detok = _Detokenizer(self.tok)
+        sample.ids = detok.ids
         held = ""
         sent = 0
 
@@ -292,7 +333,10 @@ class OpenAIRoutes:
             return ids
 
         while True:
-            item = await channel.queue.get()
+            item = await queue.get()
+            if started is not None and (isinstance(item, list) or item[1] is None):
+                started()
+                started = None
             if isinstance(item, list):
                 delta = detok.add(item)
                 if stops and delta:
@@ -303,12 +347,11 @@ class OpenAIRoutes:
                         if cut > 0:
                             yield "text", window[:cut], new_ids()
                         self.service.abort(rid)  # its record arrives synchronously
-                        record = None
-                        while not channel.queue.empty():
-                            it = channel.queue.get_nowait()
+                        while not queue.empty():
+                            it = queue.get_nowait()
                             if isinstance(it, tuple):
-                                record = it[0]
-                        yield "done", record, "stop", detok.ids, new_ids()
+                                sample.record = it[0]
+                        yield "done", "stop", new_ids()
                         return
                     k = max(partial_marker(window, s) for s in stops)
                     delta, held = window[:len(window) - k], window[len(window) - k:]
@@ -320,27 +363,48 @@ class OpenAIRoutes:
                 raise error
             if held:
                 yield "text", held, new_ids()
-            yield "done", record, record.finish or "stop", detok.ids, new_ids()
+            sample.record = record
+            yield "done", record.finish or "stop", new_ids()
             return
 
-    def _usage(self, record: RequestDone | None, prompt: int, completion: int) -> dict:
+    def _usage(self, samples: list[_Sample], prompt: int) -> dict:
+        """The prompt counts once (its KV is shared); the completions of every choice."""
+        record = samples[0].record
         cached = record.cached_tokens if record is not None else 0
+        completion = sum(len(s.ids) for s in samples)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def _whole(self, rid: str, body, channel: _Channel, stops: list[str], chat: bool,
-                     prompt: int, out: _ChatOutput | None) -> web.Response:
+    async def _whole(self, rid: str, body, samples: list[_Sample], outputs: list, chat: bool,
+                     prompt: int) -> web.Response:
+        if len(samples) == 1:
+            choices = [await self._whole_choice(body, samples[0], outputs[0], chat)]
+        else:
+            # Each choice is read as its output comes, so a stop string ends it at once.
+            tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat))
+                     for s, o in zip(samples, outputs)]
+            try:
+                choices = await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model.name, "choices": choices,
+            "usage": self._usage(samples, prompt)})
+
+    async def _whole_choice(self, body, sample: _Sample, outputs, chat: bool) -> dict:
         text: list[str] = []
-        record, finish, ids = None, "stop", []
-        async for item in self._outputs(rid, channel, stops):
+        finish = "stop"
+        async for item in outputs:
             if item[0] == "text":
                 text.append(item[1])
             else:
-                _, record, finish, ids, _ = item
-        usage = self._usage(record, prompt, len(ids))
+                finish = item[1]
         content: str | None = "".join(text)
         message: dict = {"role": "assistant"}
+        out = sample.out
         if out is not None:
             r1, c1, _ = out.feed(content)
             r2, c2, _ = out.end()
@@ -352,19 +416,16 @@ class OpenAIRoutes:
                 content = content or None
             finish = out.finish(finish)
         message["content"] = content
-        choice = ({"index": 0, "message": message, "finish_reason": finish,
+        i = sample.index
+        choice = ({"index": i, "message": message, "finish_reason": finish,
                    "logprobs": None} if chat else
-                  {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+                  {"index": i, "text": content, "finish_reason": finish, "logprobs": None})
         if body.return_token_ids:
-            choice["token_ids"] = ids
-        return web.json_response({
-            "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": self.model.name, "choices": [choice],
-            "usage": usage})
+            choice["token_ids"] = sample.ids
+        return choice
 
-    async def _stream(self, request: web.Request, rid: str, body, channel: _Channel,
-                      stops: list[str], chat: bool, prompt: int, out: _ChatOutput | None
-                      ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rid: str, body, samples: list[_Sample],
+                      outputs: list, chat: bool, prompt: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         created = int(time.time())
@@ -374,7 +435,7 @@ class OpenAIRoutes:
         def sse(obj: dict) -> bytes:
             return b"data: " + enc(obj) + b"\n\n"
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False,
+        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False,
                   ids: list[int] | None = None, calls: list[dict] | None = None,
                   reasoning: str = "") -> bytes:
             if chat:
@@ -387,57 +448,69 @@ class OpenAIRoutes:
                     d["content"] = delta
                 if calls:
                     d["tool_calls"] = calls
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": None}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish,
+                choice = {"index": index, "text": delta or "", "finish_reason": finish,
                           "logprobs": None}
             if body.return_token_ids and ids is not None:
                 choice["token_ids"] = ids
             return sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                         "choices": [choice]})
 
-        n_calls = 0
+        async def choice_events(sample: _Sample, outputs, item):
+            """One choice's chunks, from its first output ``item`` to its finish."""
+            i, out = sample.index, sample.out
+            n_calls = 0
 
-        def read(reasoning: str, delta: str, calls: list[ToolCall],
-                 ids: list[int] | None = None) -> bytes:
-            """A chunk of what the reader lets out (maybe only the token ids: the parsers
-            hold a tag's text until they know what it is, a call's until it is whole)."""
-            nonlocal n_calls
-            wire = [c.wire(n_calls + i) for i, c in enumerate(calls)]
-            n_calls += len(calls)
-            if not (reasoning or delta or wire or (body.return_token_ids and ids)):
-                return b""
-            return chunk(delta if delta or not (wire or reasoning) else None, None, ids=ids,
-                         calls=wire, reasoning=reasoning)
+            def read(reasoning: str, delta: str, calls: list[ToolCall],
+                     ids: list[int] | None = None) -> bytes:
+                """A chunk of what the reader lets out (maybe only the token ids: the parsers
+                hold a tag's text until they know what it is, a call's until it is whole)."""
+                nonlocal n_calls
+                wire = [c.wire(n_calls + k) for k, c in enumerate(calls)]
+                n_calls += len(calls)
+                if not (reasoning or delta or wire or (body.return_token_ids and ids)):
+                    return b""
+                return chunk(i, delta if delta or not (wire or reasoning) else None, None,
+                             ids=ids, calls=wire, reasoning=reasoning)
 
-        outputs = self._outputs(rid, channel, stops)
+            if chat:
+                yield chunk(i, "", None, role=True)
+            if item is None:
+                item = await outputs.__anext__()
+            while item[0] == "text":
+                if out is None:
+                    yield chunk(i, item[1], None, ids=item[2])
+                else:
+                    yield read(*out.feed(item[1]), item[2])
+                item = await outputs.__anext__()
+            _, finish, rest = item
+            if out is not None:
+                yield read(*out.end())
+                finish = out.finish(finish)
+            yield chunk(i, None if chat else "", finish, ids=rest)
+
         try:
-            first = await outputs.__anext__()
+            first = await outputs[0].__anext__()
         except EvinfraError:
             raise  # nothing sent yet: an ordinary error response
 
         async def events():
-            """The stream after the headers: text chunks, the finish (and usage), [DONE]."""
-            if chat:
-                yield chunk("", None, role=True)
-            item = first
+            """The stream after the headers: the choices' chunks, the usage, [DONE]."""
             try:
-                while item[0] == "text":
-                    if out is None:
-                        yield chunk(item[1], None, ids=item[2])
-                    else:
-                        yield read(*out.feed(item[1]), item[2])
-                    item = await outputs.__anext__()
-                _, record, finish, ids, rest = item
-                if out is not None:
-                    yield read(*out.end())
-                    finish = out.finish(finish)
-                yield chunk(None if chat else "", finish, ids=rest)
+                if len(samples) == 1:
+                    async for data in choice_events(samples[0], outputs[0], first):
+                        yield data
+                else:
+                    async for data in _merged([choice_events(s, o, first if s.index == 0
+                                                             else None)
+                                               for s, o in zip(samples, outputs)]):
+                        yield data
                 opts = body.stream_options
                 if opts is not None and opts.include_usage:
                     yield sse({"id": rid, "object": obj, "created": created,
                                "model": self.model.name, "choices": [],
-                               "usage": self._usage(record, prompt, len(ids))})
+                               "usage": self._usage(samples, prompt)})
             except EvinfraError as exc:
                 # Headers are out: report the error in the stream, as OpenAI does.
                 yield sse({"error": {"message": exc.message, "type": type(exc).__name__,
@@ -451,7 +524,40 @@ class OpenAIRoutes:
                     await resp.write(data)
             await resp.write_eof()
         except ConnectionResetError:
-            # The client went away mid-stream, an everyday event: stop the request and end
+            # The client went away mid-stream, an everyday event: stop the requests and end
             # the handler without raising (aiohttp would log a traceback per disconnect).
-            self.service.abort(rid)
+            for s in samples:
+                self.service.abort(s.rid)
         return resp
+
+
+_END = object()
+
+
+async def _merged(streams: list) -> AsyncIterator:
+    """The items of several async iterators as they come; the first error ends it."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()

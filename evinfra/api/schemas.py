@@ -2,10 +2,9 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
-give (``logprobs``, ``echo``, ``best_of``, ``n`` > 1, ``logit_bias``, a forced
-``tool_choice``, a JSON ``response_format``) are refused; wrong types and out-of-range values
-are 400s that name the field. ``evinfra`` in a body carries the same agent hints as the
-``X-Evinfra-*`` headers.
+give (``logprobs``, ``echo``, ``best_of``, ``logit_bias``, a forced ``tool_choice``, a JSON
+``response_format``) are refused; wrong types and out-of-range values are 400s that name the
+field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 """1.0 is no penalty (the ranges are OpenAI's and SGLang's)."""
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Choices = Annotated[int, msgspec.Meta(ge=1, le=128)]
+"""``n``: OpenAI's range."""
 
 
 UNSERVED_MESSAGES = {
@@ -56,7 +57,8 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    n: int = 1
+    n: Choices = 1
+    """Choices sampled from the prompt; 1 to ``n - 1`` are forks of the request's branch."""
     stop: str | list[str] | None = None
     seed: Seed | None = None
     frequency_penalty: Penalty = 0.0

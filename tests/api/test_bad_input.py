@@ -95,10 +95,11 @@ async def test_unknown_branch_end_and_routes(client):
     assert r.status == 404 and (await r.json())["error"]["type"]
 
 
-async def test_batched_prompts_and_n_are_refused(client):
+async def test_batched_prompts_and_n_out_of_range_are_refused(client):
     await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=["a", "b"]), 400,
                  param="prompt")
-    await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, n=2), 400, param="n")
+    for n in (0, 129):  # OpenAI's range is 1-128
+        await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, n=n), 400, param="n")
 
 
 @pytest.mark.parametrize("path,field,value", [

@@ -1,11 +1,14 @@
-"""The aiohttp application: OpenAI-compatible routes, agent and admin routes, health, metrics.
+"""The aiohttp application: OpenAI-compatible and Anthropic-compatible routes, agent and admin
+routes, health, metrics.
 
-Errors leave as OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``) with
-the status of :mod:`evinfra.errors`' tree: bad requests 4xx, no node 503, engine failures 502,
+Errors leave as OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``), or
+Anthropic's (``{"type": "error", "error": {"type", "message"}}``) on its routes, with the
+status of :mod:`evinfra.errors`' tree: bad requests 4xx, no node 503, engine failures 502,
 timeouts 504. Anything unexpected is logged and answered 500; it never takes the process down.
 
-Auth: ``server.api_key`` guards the inference routes, ``server.admin_key`` the routes that
-change the cluster; ``/health``, ``/ready`` and ``/metrics`` are open.
+Auth: ``server.api_key`` guards the inference routes (``Authorization: Bearer`` or
+``x-api-key``), ``server.admin_key`` the routes that change the cluster; ``/health``,
+``/ready`` and ``/metrics`` are open.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from evinfra.api.anthropic import AnthropicRoutes
 from evinfra.api.metrics import Metrics
 from evinfra.api.openai import OpenAIRoutes
 from evinfra.api.schemas import SplitRequest, decode_body
@@ -35,6 +39,9 @@ _ADMIN = ("/v1/evinfra/split", "/v1/branches/")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _MAX_BODY = web.AppKey("max_body", int)
 _OPEN = ("/health", "/ready", "/metrics")
+_ANTHROPIC = "/v1/messages"
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def _error(status: int, message: str, type_: str, param: str | None = None,
@@ -43,14 +50,29 @@ def _error(status: int, message: str, type_: str, param: str | None = None,
         {"error": {"message": message, "type": type_, "param": param, "code": code}}))
 
 
-def error_response(exc: BaseException) -> web.Response:
+def _anthropic_error(status: int, message: str, type_: str, param: str | None = None,
+                     code: str | None = None) -> web.Response:
+    """An error as Anthropic writes it: its type follows from the status."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    if param is not None:
+        message = f"{param}: {message}"
+    return web.Response(status=status, content_type="application/json", body=msgspec.json.encode(
+        {"type": "error", "error": {"type": kind, "message": message}}))
+
+
+def _writer(request: web.Request):
+    return _anthropic_error if request.path.startswith(_ANTHROPIC) else _error
+
+
+def error_response(exc: BaseException, write=_error) -> web.Response:
+    """The response to a failed request, written by ``write`` (OpenAI's shape by default)."""
     if isinstance(exc, RequestError):
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return _error(exc.status, exc.message, kind, exc.param, exc.code)
+        return write(exc.status, exc.message, kind, exc.param, exc.code)
     if isinstance(exc, NoNodeError):
-        return _error(503, exc.message, "service_unavailable", code="no_node")
+        return write(503, exc.message, "service_unavailable", code="no_node")
     if isinstance(exc, EngineError):
-        return _error(504 if exc.timeout else 502, exc.message,
+        return write(504 if exc.timeout else 502, exc.message,
                       "timeout" if exc.timeout else "engine_error", code=exc.node)
     if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
         msg = str(exc)
@@ -61,33 +83,34 @@ def error_response(exc: BaseException) -> web.Response:
         missing = _MISSING.search(msg)
         if missing:
             param = f"{param}.{missing.group(1)}" if param else missing.group(1)
-        return _error(400, f"invalid request body: {msg}", "invalid_request_error", param)
+        return write(400, f"invalid request body: {msg}", "invalid_request_error", param)
     if isinstance(exc, EvinfraError):
-        return _error(500, exc.message, "server_error")
-    return _error(500, "internal server error", "server_error")
+        return write(500, exc.message, "server_error")
+    return write(500, "internal server error", "server_error")
 
 
 @web.middleware
 async def _errors(request: web.Request, handler):
+    write = _writer(request)
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(exc.status, exc.reason if exc.status != 413 else
+        return write(exc.status, exc.reason if exc.status != 413 else
                       f"request body too large (limit {request.app[_MAX_BODY]} bytes)",
                       "invalid_request_error")
     except (EvinfraError, msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return error_response(exc)
+        return error_response(exc, write)
     except RequestPayloadError as exc:  # a body that does not decompress, or cut short
         cause = exc.__cause__ or exc
-        return _error(400, f"could not read the request body: {type(cause).__name__}",
+        return write(400, f"could not read the request body: {type(cause).__name__}",
                       "invalid_request_error")
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - one request must not take the server down
         log.exception("handler_failed", path=request.path)
-        return error_response(exc)
+        return error_response(exc, write)
 
 
 def _auth(api_key: str, admin_key: str):
@@ -98,10 +121,14 @@ def _auth(api_key: str, admin_key: str):
             return await handler(request)
         key = admin_key if path.startswith(_ADMIN) else api_key
         if key:
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
-                return _error(401, "missing or invalid API key (Authorization: Bearer ...)",
-                              "authentication_error", code="invalid_api_key")
+            # Anthropic's clients send the key as ``x-api-key``.
+            got = request.headers.get("Authorization", "").encode()
+            alt = request.headers.get("x-api-key", "").encode()
+            if not (hmac.compare_digest(got, f"Bearer {key}".encode())
+                    or hmac.compare_digest(alt, key.encode())):
+                return _writer(request)(
+                    401, "missing or invalid API key (Authorization: Bearer ..., or x-api-key)",
+                    "authentication_error", code="invalid_api_key")
         return await handler(request)
 
     return auth
@@ -156,6 +183,7 @@ def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
     metrics = Metrics(service)
     admin = _Admin(service, metrics)
     OpenAIRoutes(service, tokenizer).add_to(app)
+    AnthropicRoutes(service, tokenizer).add_to(app)
     app.router.add_get("/health", admin.health)
     app.router.add_get("/ready", admin.ready)
     app.router.add_get("/metrics", admin.metrics_)

@@ -1,11 +1,8 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming (SSE) and not.
 
-The handler validates the body, applies the chat template and tokenizes, reads the agent
-hints, submits to the service and relays the output. Output text comes from an incremental
-detokenizer (only the last few tokens are decoded again per step); ``stop`` strings are
-matched on the text and end the request early (none of a matched one is sent). A chat output
-may be read further: a thinking model's reasoning apart (``reasoning.py``) and, with
-``tools``, the model's tool calls (``tool_calls.py``). ``usage`` reports
+The handler validates the body, applies the chat template and tokenizes, and serves the
+request as ``serving.py`` does for every dialect (hints, submission, output text, chat
+reading); this module writes OpenAI's answers and chunks. ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the input tokens whose KV the request reused.
 ``n`` choices are ``n`` requests at the service: choice 0 and forks of its branch.
 """
@@ -15,79 +12,25 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable
 
 import msgspec
 import numpy as np
 from aiohttp import web
 
-from evinfra.api.markers import partial_marker
-from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
-from evinfra.api.reasoning import ThinkSplit
-from evinfra.api.schemas import (UNSERVED_MESSAGES, AgentHints, ChatCompletionRequest,
-                                 CompletionRequest, decode_body)
+from evinfra.api.schemas import (UNSERVED_MESSAGES, ChatCompletionRequest, CompletionRequest,
+                                 decode_body)
+from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
+                                 outputs, read_hints, stop_strings)
 from evinfra.api.tokenizer import Tokenizer
-from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
-from evinfra.api.tool_calls import TaggedCalls, ToolCall
-from evinfra.core.events import RequestDone
+from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
 
 __all__ = ["OpenAIRoutes"]
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
 _ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
-
-
-class _Channel:
-    """A request's output as an asyncio queue (the service's RequestSink)."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def tokens(self, tokens) -> None:
-        self.queue.put_nowait([int(t) for t in tokens])
-
-    def done(self, record: RequestDone, error: EvinfraError | None) -> None:
-        self.queue.put_nowait((record, error))
-
-
-class _Detokenizer:
-    """Incremental detokenization (the offsets scheme of vLLM and SGLang): decode only the
-    tokens since the last emitted character, and hold back an incomplete UTF-8 sequence."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
-
-    def add(self, ids: Sequence[int]) -> str:
-        self.ids.extend(ids)
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        new_text = self.tok.decode(self.ids[self.prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
-            self.prefix, self.read = self.read, len(self.ids)
-            return delta
-        return ""
-
-
-def _hints(request: web.Request, body: AgentHints | None) -> AgentHints:
-    h = request.headers
-    branch = h.get("X-Evinfra-Branch-Id") or h.get("X-Dynamo-Session-ID")
-    parent = h.get("X-Evinfra-Parent-Branch-Id") or h.get("X-Dynamo-Parent-Session-ID")
-    name = "X-Evinfra-Branch-Final" if "X-Evinfra-Branch-Final" in h else "X-Dynamo-Session-Final"
-    final = h.get(name, "").strip().lower()
-    if final not in _TRUE and final not in _FALSE:
-        # A typo must not read as "false": the branch's counts would outlive it.
-        raise RequestError(f"{name} must be true or false, not {h[name]!r}", param=name)
-    if body is not None:
-        return AgentHints(body.branch_id or branch, body.parent_branch_id or parent,
-                          body.final or final in _TRUE)
-    return AgentHints(branch, parent, final in _TRUE)
 
 
 def _token_ids(ids: list) -> np.ndarray:
@@ -138,52 +81,6 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class _ChatOutput:
-    """A chat output read as the model's reasoning, its answer and the tool calls in the
-    answer (each part only when the config names its parser)."""
-
-    def __init__(self, think: ThinkSplit | None, calls: TaggedCalls | None) -> None:
-        self.think = think
-        self.parser = calls
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.parser.calls if self.parser is not None else []
-
-    def feed(self, delta: str) -> tuple[str, str, list[ToolCall]]:
-        """The reasoning, the content and the calls this delta lets out."""
-        reasoning, content = self.think.feed(delta) if self.think is not None else ("", delta)
-        if self.parser is not None and content:
-            return (reasoning, *self.parser.feed(content))
-        return reasoning, content, []
-
-    def end(self) -> tuple[str, str, list[ToolCall]]:
-        reasoning, content = self.think.end() if self.think is not None else ("", "")
-        if self.parser is None:
-            return reasoning, content, []
-        content, calls = self.parser.feed(content) if content else ("", [])
-        return reasoning, content + self.parser.end(), calls
-
-    def finish(self, reason: str) -> str:
-        """The request's finish as OpenAI names it: a stop after calls is ``tool_calls``."""
-        return "tool_calls" if self.calls and reason == "stop" else reason
-
-
-class _Sample:
-    """One of a request's ``n`` choices: its request at the service, the channel its output
-    comes on and how it is read; once it is done, its record and output token ids."""
-
-    __slots__ = ("index", "rid", "channel", "out", "record", "ids")
-
-    def __init__(self, index: int, rid: str, out: _ChatOutput | None) -> None:
-        self.index = index
-        self.rid = rid
-        self.channel = _Channel()
-        self.out = out
-        self.record: RequestDone | None = None
-        self.ids: list[int] = []
-
-
 class OpenAIRoutes:
     def __init__(self, service: Service, tokenizer: Tokenizer) -> None:
         self.service = service
@@ -207,38 +104,15 @@ class OpenAIRoutes:
 
     async def model_info(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{model}`` (the OpenAI client's ``models.retrieve``)."""
-        self._check_model(request.match_info["model"])
+        check_model(self.model, request.match_info["model"])
         return web.json_response(self._model())
-
-    def _check_model(self, name: str) -> None:
-        if name != self.model.name:
-            raise RequestError(f"the model {name!r} does not exist; this server serves "
-                               f"{self.model.name!r}", status=404, param="model",
-                               code="model_not_found")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)
         _refuse_unserved(body)
-        tools, read_calls = body.template_tools(), None
-        if tools is not None:
-            if self.model.tool_calls is None:
-                raise RequestError("tools need the model's tool-call format: set "
-                                   "model.tool_call_parser in the config (one of: "
-                                   f"{', '.join(TOOL_PARSERS)})", param="tools")
-            read_calls = TOOL_PARSERS[self.model.tool_calls]
+        tools = body.template_tools()
         prompt = _chat_prompt(body, tools, self.tok)
-        think = REASONING_PARSERS[self.model.reasoning_parser] \
-            if self.model.reasoning_parser else None
-        reader = None
-        if think is not None or read_calls is not None:
-            # The template may open the reasoning block itself (DeepSeek-R1's does).
-            forced = prompt.rstrip().endswith(ThinkSplit.START)
-
-            def reader() -> _ChatOutput:
-                return _ChatOutput(think(forced) if think else None,
-                                   TaggedCalls(read_calls, _call_id, tools,
-                                               body.parallel_tool_calls)
-                                   if read_calls else None)
+        reader = chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
                                  reader=reader)
@@ -251,21 +125,10 @@ class OpenAIRoutes:
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
                max_tokens: int | None) -> Sampling:
-        self._check_model(body.model)
+        check_model(self.model, body.model)
         if body.top_k == 0 or body.top_k < -1:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
-        room = self.model.max_context_tokens - int(tokens.size)
-        if max_tokens is None:
-            max_tokens = min(room, 4096)
-        if max_tokens <= 0:
-            raise RequestError("max_tokens must be at least 1", param="max_tokens")
-        if tokens.size == 0:
-            raise RequestError("the prompt is empty", param="prompt")
-        if int(tokens.size) + max_tokens > self.model.max_context_tokens:
-            raise RequestError(
-                f"this model's maximum context length is {self.model.max_context_tokens} "
-                f"tokens; the prompt has {tokens.size} and max_tokens asks for {max_tokens}",
-                param="max_tokens", code="context_length_exceeded")
+        max_tokens = max_tokens_for(self.model, tokens, max_tokens)
         stop_ids = list(self.tok.eos_token_ids)
         return Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos, stop_ids,
                         body.seed, body.top_k, body.min_p, body.frequency_penalty,
@@ -273,7 +136,7 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool,
-                     reader: Callable[[], _ChatOutput] | None = None) -> web.StreamResponse:
+                     reader: Callable[[], ChatOutput] | None = None) -> web.StreamResponse:
         """``reader`` makes how a chat output is read (None: all content), one per choice.
 
         Choice 0 is the request on its branch. With ``n`` > 1 the others are forks of that
@@ -282,9 +145,9 @@ class OpenAIRoutes:
         router finds the prompt's KV in the directory and the forks reuse it, where sending
         all at once would prefill the prompt ``n`` times."""
         sampling = self._check(body, tokens, max_tokens)
-        hints = _hints(request, body.evinfra)
+        hints = read_hints(request, body.evinfra)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        samples = [_Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None)
+        samples = [Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None)
                    for i in range(body.n)]
         self.service.submit(Submission(tokens, sampling, hints.branch_id,
                                        hints.parent_branch_id, hints.final, rid),
@@ -297,77 +160,22 @@ class OpenAIRoutes:
                     tokens, msgspec.structs.replace(sampling, seed=seed), None,
                     hints.branch_id, True, s.rid), s.channel)
 
-        # An empty stop string would match before any output: it asks for nothing.
-        stops = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
-        outputs = [self._outputs(s, stops, fork if s.index == 0 and body.n > 1 else None)
+        stops = stop_strings(body.stop)
+        streams = [outputs(self.service, self.tok, s, stops,
+                           fork if s.index == 0 and body.n > 1 else None)
                    for s in samples]
         try:
             prompt = int(tokens.size)
             if body.stream:
-                return await self._stream(request, rid, body, samples, outputs, chat, prompt)
-            return await self._whole(rid, body, samples, outputs, chat, prompt)
+                return await self._stream(request, rid, body, samples, streams, chat, prompt)
+            return await self._whole(rid, body, samples, streams, chat, prompt)
         except BaseException:
             # The client went away, or a choice failed: none of the others is wanted now.
             for s in samples:
                 self.service.abort(s.rid)
             raise
 
-    async def _outputs(self, sample: _Sample, stops: list[str],
-                       started: Callable[[], None] | None):
-        """Yields ``("text", delta, ids)`` then ``("done", finish, ids)``, ``ids`` the output
-        token ids not yielded before; raises the request's error. At the end ``sample`` has
-        the request's record and all its output ids. ``started`` is called when the first
-        output arrives.
-
-        Text that may begin a stop string is held back until the next delta says whether it
-        does (a stop string often spans tokens): none of a matched stop string is sent."""
-        rid, queue = sample.rid, sample.channel.queue
-        detok = _Detokenizer(self.tok)
-        sample.ids = detok.ids
-        held = ""
-        sent = 0
-
-        def new_ids() -> list[int]:
-            nonlocal sent
-            ids, sent = detok.ids[sent:], len(detok.ids)
-            return ids
-
-        while True:
-            item = await queue.get()
-            if started is not None and (isinstance(item, list) or item[1] is None):
-                started()
-                started = None
-            if isinstance(item, list):
-                delta = detok.add(item)
-                if stops and delta:
-                    window = held + delta
-                    hits = [i for i in (window.find(s) for s in stops) if i >= 0]
-                    if hits:
-                        cut = min(hits)
-                        if cut > 0:
-                            yield "text", window[:cut], new_ids()
-                        self.service.abort(rid)  # its record arrives synchronously
-                        while not queue.empty():
-                            it = queue.get_nowait()
-                            if isinstance(it, tuple):
-                                sample.record = it[0]
-                        yield "done", "stop", new_ids()
-                        return
-                    k = max(partial_marker(window, s) for s in stops)
-                    delta, held = window[:len(window) - k], window[len(window) - k:]
-                if delta:
-                    yield "text", delta, new_ids()
-                continue
-            record, error = item
-            if error is not None:
-                raise error
-            if held:
-                yield "text", held, new_ids()
-            sample.record = record
-            yield "done", record.finish or "stop", new_ids()
-            return
-
-    def _usage(self, samples: list[_Sample], prompt: int) -> dict:
+    def _usage(self, samples: list[Sample], prompt: int) -> dict:
         """The prompt counts once (its KV is shared); the completions of every choice."""
         record = samples[0].record
         cached = record.cached_tokens if record is not None else 0
@@ -376,7 +184,7 @@ class OpenAIRoutes:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def _whole(self, rid: str, body, samples: list[_Sample], outputs: list, chat: bool,
+    async def _whole(self, rid: str, body, samples: list[Sample], outputs: list, chat: bool,
                      prompt: int) -> web.Response:
         if len(samples) == 1:
             choices = [await self._whole_choice(body, samples[0], outputs[0], chat)]
@@ -394,7 +202,7 @@ class OpenAIRoutes:
             "created": int(time.time()), "model": self.model.name, "choices": choices,
             "usage": self._usage(samples, prompt)})
 
-    async def _whole_choice(self, body, sample: _Sample, outputs, chat: bool) -> dict:
+    async def _whole_choice(self, body, sample: Sample, outputs, chat: bool) -> dict:
         text: list[str] = []
         finish = "stop"
         async for item in outputs:
@@ -424,7 +232,7 @@ class OpenAIRoutes:
             choice["token_ids"] = sample.ids
         return choice
 
-    async def _stream(self, request: web.Request, rid: str, body, samples: list[_Sample],
+    async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
                       outputs: list, chat: bool, prompt: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -457,7 +265,7 @@ class OpenAIRoutes:
             return sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                         "choices": [choice]})
 
-        async def choice_events(sample: _Sample, outputs, item):
+        async def choice_events(sample: Sample, outputs, item):
             """One choice's chunks, from its first output ``item`` to its finish."""
             i, out = sample.index, sample.out
             n_calls = 0

@@ -100,3 +100,37 @@ def test_no_body_gets_a_server_error(post, case):
     body, chat = case
     status, text = post("/v1/chat/completions" if chat else "/v1/completions", body)
     assert status < 500, (body, text[:500])
+
+
+block = st.one_of(value, st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"])},
+    optional={"text": value, "name": st.one_of(st.just("f"), value), "input": value,
+              "id": value, "tool_use_id": value, "thinking": value,
+              "content": st.one_of(st.text(max_size=5), st.lists(value, max_size=2), value)}))
+anthropic_body = st.fixed_dictionaries(
+    {"model": st.just("evinfra-fake"), "max_tokens": st.integers(-1, 6),
+     "messages": st.one_of(value, st.lists(st.fixed_dictionaries(
+         {"role": st.sampled_from(["user", "assistant", "system"]),
+          "content": st.one_of(st.text(max_size=5), st.lists(block, max_size=3), value)}),
+         min_size=1, max_size=3))},
+    optional={"system": st.one_of(st.text(max_size=5), st.lists(block, max_size=2), value),
+              "tools": st.one_of(value, st.lists(st.fixed_dictionaries(
+                  {"name": st.one_of(st.just("f"), value), "input_schema": value},
+                  optional={"type": st.sampled_from(["custom", "bash_20250124"])}),
+                  max_size=2)),
+              "tool_choice": st.one_of(value, st.fixed_dictionaries(
+                  {"type": st.sampled_from(["auto", "any", "none", "tool"])})),
+              "thinking": st.one_of(value, st.fixed_dictionaries(
+                  {"type": st.sampled_from(["enabled", "disabled"])})),
+              "stop_sequences": st.one_of(value, st.lists(st.sampled_from(["a", "<"]),
+                                                           max_size=2)),
+              "stream": st.booleans()})
+"""Anthropic Messages bodies, mostly of the right shape."""
+
+
+@settings(max_examples=200, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=anthropic_body, count=st.booleans())
+def test_no_anthropic_body_gets_a_server_error(post, body, count):
+    status, text = post("/v1/messages/count_tokens" if count else "/v1/messages", body)
+    assert status < 500, (body, text[:500])

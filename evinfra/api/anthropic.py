@@ -1,0 +1,345 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic's Messages API.
+
+Coding harnesses built on it (Claude Code, with ``ANTHROPIC_BASE_URL`` set to this server)
+send the agent traffic the paper serves. As SGLang's own Anthropic route does, a request is
+read into the chat route's terms and served by the same path (``serving.py``): the system
+prompt, text blocks, an assistant's ``tool_use`` blocks (its ``tool_calls``) and a user's
+``tool_result`` blocks (``tool`` messages) go through the model's chat template with the
+tools' ``input_schema`` as their parameters; ``thinking`` turns the template's
+``enable_thinking`` on or off. The answer comes back as content blocks (``thinking`` from the
+reasoning parser, ``text``, ``tool_use`` from the tool-call parser), whole or as Anthropic's
+stream of events. ``usage`` splits the prompt as Anthropic does: ``cache_read_input_tokens``
+reused from KV, ``input_tokens`` computed.
+
+Not served, refused with a 400: images (the model reads text), a forced ``tool_choice``
+(``any``, ``tool``: constrained decoding), Anthropic's own tool types (``bash_...``,
+``web_search_...``: their schemas are Anthropic's).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Literal
+
+import msgspec
+from aiohttp import web
+
+from evinfra.api.schemas import AgentHints, TopP, decode_body
+from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, outputs,
+                                 read_hints, stop_strings)
+from evinfra.api.tokenizer import Tokenizer
+from evinfra.api.tool_calls import ToolCall
+from evinfra.drivers.base import Sampling
+from evinfra.errors import EvinfraError, RequestError
+from evinfra.service import Service, Submission
+
+__all__ = ["AnthropicRoutes", "CountTokensRequest", "MessagesRequest"]
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+class Tool(msgspec.Struct, frozen=True):
+    name: str
+    input_schema: dict[str, object]
+    description: str | None = None
+    type: str | None = None
+    """Absent or ``custom``; Anthropic's own tool types are refused."""
+
+
+class ToolChoice(msgspec.Struct, frozen=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(msgspec.Struct, frozen=True):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+    """Accepted, not enforced: ``max_tokens`` caps the whole output."""
+
+
+class Message(msgspec.Struct, frozen=True):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, object]]
+
+
+class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    messages: list[Message]
+    system: str | list[dict[str, object]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    evinfra: AgentHints | None = None
+
+
+def _text(blocks: str | list[dict[str, object]], param: str) -> str:
+    """Text blocks as one text (a newline between blocks, as SGLang joins them)."""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for j, b in enumerate(blocks):
+        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise RequestError(f"{param}[{j}] must be a text block", param=f"{param}[{j}]")
+        parts.append(b["text"])
+    return "\n".join(parts)
+
+
+def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
+    """The request as the chat template's messages."""
+    out: list[dict[str, object]] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text, calls, thinking, results = [], [], [], 0
+        for j, b in enumerate(m.content):
+            kind, param = b.get("type"), f"messages[{i}].content[{j}]"
+            if kind == "text" and isinstance(b.get("text"), str):
+                text.append(b["text"])
+            elif kind == "tool_use" and m.role == "assistant":
+                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                    raise RequestError("a tool_use block needs a name and an input object",
+                                       param=param)
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+            elif kind == "tool_result" and m.role == "user":
+                content = b.get("content") or ""
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": _text(content, f"{param}.content")
+                            if isinstance(content, (str, list)) else str(content)})
+                results += 1
+            elif kind == "thinking" and m.role == "assistant":
+                thinking.append(str(b.get("thinking", "")))
+            else:
+                raise RequestError(f"a {m.role} message cannot hold a {kind!r} block here "
+                                   "(served: text; tool_use and thinking from the assistant, "
+                                   "tool_result from the user; images are not: the model "
+                                   "reads text)", param=param)
+        if text or calls or not results:
+            msg: dict[str, object] = {"role": m.role, "content": "\n".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            if thinking:
+                msg["reasoning_content"] = "\n".join(thinking)
+            out.append(msg)
+    return out
+
+
+def _tools(body: CountTokensRequest) -> list[dict] | None:
+    """The tools as the chat template gets them (None: none, or ``tool_choice`` ``none``)."""
+    choice = body.tool_choice
+    if choice is not None and choice.type in ("any", "tool"):
+        raise RequestError(f"tool_choice {choice.type!r} forces a call, which needs "
+                           "constrained decoding: this server serves 'auto' and 'none'",
+                           param="tool_choice")
+    if not body.tools or (choice is not None and choice.type == "none"):
+        return None
+    for i, t in enumerate(body.tools):
+        if t.type not in (None, "custom"):
+            raise RequestError(f"tool type {t.type!r} is Anthropic's own: describe the tool "
+                               "with a name and an input_schema", param=f"tools[{i}].type")
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}}
+            for t in body.tools]
+
+
+def _tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": call.id, "name": call.name,
+            "input": json.loads(call.arguments)}
+
+
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _sse(event: dict) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+class _Blocks:
+    """The content blocks of a streamed answer: a thinking or text block stays open while
+    its kind goes on; a tool use is a block of its own (its input in one delta)."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.open: str | None = None
+
+    def add(self, reasoning: str, text: str, calls: list[ToolCall]) -> list[bytes]:
+        out = []
+        for kind, piece in (("thinking", reasoning), ("text", text)):
+            if piece:
+                if self.open != kind:
+                    out += self.close()
+                    start = {"type": "thinking", "thinking": "", "signature": ""} \
+                        if kind == "thinking" else {"type": "text", "text": ""}
+                    out.append(self._start(start))
+                    self.open = kind
+                delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" \
+                    else {"type": "text_delta", "text": piece}
+                out.append(_sse({"type": "content_block_delta", "index": self.index,
+                                 "delta": delta}))
+        for c in calls:
+            out += self.close()
+            out.append(self._start({"type": "tool_use", "id": c.id, "name": c.name,
+                                    "input": {}}))
+            out.append(_sse({"type": "content_block_delta", "index": self.index,
+                             "delta": {"type": "input_json_delta",
+                                       "partial_json": c.arguments}}))
+            self.open = "tool_use"
+            out += self.close()
+        return out
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        self.index += 1
+        return [_sse({"type": "content_block_stop", "index": self.index - 1})]
+
+    def _start(self, block: dict) -> bytes:
+        return _sse({"type": "content_block_start", "index": self.index, "content_block": block})
+
+
+class AnthropicRoutes:
+    def __init__(self, service: Service, tokenizer: Tokenizer) -> None:
+        self.service = service
+        self.tok = tokenizer
+        self.model = service.config.model
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+
+    def _prompt(self, body: CountTokensRequest) -> tuple[str, list[dict] | None]:
+        check_model(self.model, body.model)
+        tools = _tools(body)
+        extra = None if body.thinking is None else \
+            {"enable_thinking": body.thinking.type != "disabled"}
+        return self.tok.apply_chat_template(_chat_messages(body), tools, extra), tools
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        prompt, _ = self._prompt(decode_body(await request.read(), CountTokensRequest))
+        return web.json_response({"input_tokens": int(self.tok.encode(prompt).size)})
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body = decode_body(await request.read(), MessagesRequest)
+        prompt, tools = self._prompt(body)
+        parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
+        reader = chat_reader(self.model, prompt, tools, parallel, _tool_use_id)
+        tokens = self.tok.encode(prompt)
+        sampling = Sampling(max_tokens_for(self.model, tokens, body.max_tokens),
+                            body.temperature, body.top_p,
+                            stop_token_ids=list(self.tok.eos_token_ids),
+                            top_k=body.top_k or -1)
+        hints = read_hints(request, body.evinfra)
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+        sample = Sample(0, mid, reader() if reader else None)
+        self.service.submit(Submission(tokens, sampling, hints.branch_id,
+                                       hints.parent_branch_id, hints.final, mid),
+                            sample.channel)
+        stream = outputs(self.service, self.tok, sample, stop_strings(body.stop_sequences))
+        try:
+            if body.stream:
+                return await self._stream(request, sample, stream, int(tokens.size))
+            return await self._whole(sample, stream, int(tokens.size))
+        except BaseException:
+            self.service.abort(mid)  # the client went away
+            raise
+
+    def _message(self, sample: Sample, content: list[dict], stop_reason: str | None,
+                 usage: dict) -> dict:
+        return {"id": sample.rid, "type": "message", "role": "assistant",
+                "model": self.model.name, "content": content, "stop_reason": stop_reason,
+                "stop_sequence": sample.stop, "usage": usage}
+
+    @staticmethod
+    def _stop_reason(sample: Sample, finish: str) -> str:
+        if sample.stop is not None:
+            return "stop_sequence"
+        if sample.out is not None and sample.out.calls and finish == "stop":
+            return "tool_use"
+        return _STOP_REASONS.get(finish, "end_turn")
+
+    @staticmethod
+    def _usage(sample: Sample, prompt: int) -> dict:
+        cached = sample.record.cached_tokens if sample.record is not None else 0
+        return {"input_tokens": prompt - cached, "output_tokens": len(sample.ids),
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+    async def _whole(self, sample: Sample, stream, prompt: int) -> web.Response:
+        text, finish = [], "stop"
+        async for item in stream:
+            if item[0] == "text":
+                text.append(item[1])
+            else:
+                finish = item[1]
+        content, reasoning, out = "".join(text), "", sample.out
+        if out is not None:
+            r1, c1, _ = out.feed(content)
+            r2, c2, _ = out.end()
+            content, reasoning = c1 + c2, r1 + r2
+        calls = out.calls if out is not None else []
+        blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
+            else []
+        if content or not calls:
+            blocks.append({"type": "text", "text": content})
+        blocks += [_tool_use(c) for c in calls]
+        return web.json_response(self._message(sample, blocks, self._stop_reason(sample, finish),
+                                               self._usage(sample, prompt)))
+
+    async def _stream(self, request: web.Request, sample: Sample, stream, prompt: int
+                      ) -> web.StreamResponse:
+        try:
+            first = await stream.__anext__()
+        except EvinfraError:
+            raise  # nothing sent yet: an ordinary error response
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        out, blocks = sample.out, _Blocks()
+
+        async def events():
+            yield _sse({"type": "message_start", "message": self._message(
+                sample, [], None, {"input_tokens": prompt, "output_tokens": 0})})
+            item = first
+            try:
+                while item[0] == "text":
+                    for data in blocks.add(*out.feed(item[1])) if out is not None \
+                            else blocks.add("", item[1], []):
+                        yield data
+                    item = await stream.__anext__()
+                if out is not None:
+                    for data in blocks.add(*out.end()):
+                        yield data
+                for data in blocks.close():
+                    yield data
+                yield _sse({"type": "message_delta",
+                            "delta": {"stop_reason": self._stop_reason(sample, item[1]),
+                                      "stop_sequence": sample.stop},
+                            "usage": self._usage(sample, prompt)})
+                yield _sse({"type": "message_stop"})
+            except EvinfraError as exc:
+                # Headers are out: report the error in the stream, as Anthropic does.
+                yield _sse({"type": "error", "error": {"type": "api_error",
+                                                       "message": exc.message}})
+
+        await resp.prepare(request)
+        try:
+            async for data in events():
+                await resp.write(data)
+            await resp.write_eof()
+        except ConnectionResetError:
+            self.service.abort(sample.rid)
+        return resp

@@ -1,0 +1,244 @@
+"""What the API's dialects (OpenAI's routes, Anthropic's) share to serve one request.
+
+A request is read for its agent hints, checked against the model's context, submitted to the
+service as one or more :class:`Sample` (one per choice), and each sample's output is read back
+as text: an incremental detokenizer (only the last few tokens are decoded again per step) and
+``stop`` strings matched on the text (none of a matched one is sent). A chat output may be read
+further (:class:`ChatOutput`): a thinking model's reasoning apart (``reasoning.py``) and, with
+tools, the model's calls (``tool_calls.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Sequence
+
+import numpy as np
+from aiohttp import web
+
+from evinfra.api.markers import partial_marker
+from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
+from evinfra.api.reasoning import ThinkSplit
+from evinfra.api.schemas import AgentHints
+from evinfra.api.tokenizer import Tokenizer
+from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
+from evinfra.api.tool_calls import TaggedCalls, ToolCall
+from evinfra.config import ModelConfig
+from evinfra.core.events import RequestDone
+from evinfra.errors import EvinfraError, RequestError
+from evinfra.service import Service
+
+__all__ = ["Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader", "check_model",
+           "max_tokens_for", "outputs", "read_hints", "stop_strings"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+class Channel:
+    """A request's output as an asyncio queue (the service's RequestSink)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def tokens(self, tokens) -> None:
+        self.queue.put_nowait([int(t) for t in tokens])
+
+    def done(self, record: RequestDone, error: EvinfraError | None) -> None:
+        self.queue.put_nowait((record, error))
+
+
+class Detokenizer:
+    """Incremental detokenization (the offsets scheme of vLLM and SGLang): decode only the
+    tokens since the last emitted character, and hold back an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def add(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        new_text = self.tok.decode(self.ids[self.prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return delta
+        return ""
+
+
+def read_hints(request: web.Request, body: AgentHints | None) -> AgentHints:
+    """The agent hints of a request: the ``X-Evinfra-*`` headers (or Dynamo's), or the
+    same in the body, which wins field by field."""
+    h = request.headers
+    branch = h.get("X-Evinfra-Branch-Id") or h.get("X-Dynamo-Session-ID")
+    parent = h.get("X-Evinfra-Parent-Branch-Id") or h.get("X-Dynamo-Parent-Session-ID")
+    name = "X-Evinfra-Branch-Final" if "X-Evinfra-Branch-Final" in h else "X-Dynamo-Session-Final"
+    final = h.get(name, "").strip().lower()
+    if final not in _TRUE and final not in _FALSE:
+        # A typo must not read as "false": the branch's counts would outlive it.
+        raise RequestError(f"{name} must be true or false, not {h[name]!r}", param=name)
+    if body is not None:
+        return AgentHints(body.branch_id or branch, body.parent_branch_id or parent,
+                          body.final or final in _TRUE)
+    return AgentHints(branch, parent, final in _TRUE)
+
+
+def check_model(model: ModelConfig, name: str) -> None:
+    if name != model.name:
+        raise RequestError(f"the model {name!r} does not exist; this server serves "
+                           f"{model.name!r}", status=404, param="model", code="model_not_found")
+
+
+def max_tokens_for(model: ModelConfig, tokens: np.ndarray, max_tokens: int | None) -> int:
+    """``max_tokens`` checked against the model's context (None: what is left of it, at
+    most 4,096)."""
+    room = model.max_context_tokens - int(tokens.size)
+    if max_tokens is None:
+        max_tokens = min(room, 4096)
+    if max_tokens <= 0:
+        raise RequestError("max_tokens must be at least 1", param="max_tokens")
+    if tokens.size == 0:
+        raise RequestError("the prompt is empty", param="prompt")
+    if int(tokens.size) + max_tokens > model.max_context_tokens:
+        raise RequestError(
+            f"this model's maximum context length is {model.max_context_tokens} "
+            f"tokens; the prompt has {tokens.size} and max_tokens asks for {max_tokens}",
+            param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """An empty stop string would match before any output: it asks for nothing."""
+    return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+
+
+class ChatOutput:
+    """A chat output read as the model's reasoning, its answer and the tool calls in the
+    answer (each part only when the config names its parser)."""
+
+    def __init__(self, think: ThinkSplit | None, calls: TaggedCalls | None) -> None:
+        self.think = think
+        self.parser = calls
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.parser.calls if self.parser is not None else []
+
+    def feed(self, delta: str) -> tuple[str, str, list[ToolCall]]:
+        """The reasoning, the content and the calls this delta lets out."""
+        reasoning, content = self.think.feed(delta) if self.think is not None else ("", delta)
+        if self.parser is not None and content:
+            return (reasoning, *self.parser.feed(content))
+        return reasoning, content, []
+
+    def end(self) -> tuple[str, str, list[ToolCall]]:
+        reasoning, content = self.think.end() if self.think is not None else ("", "")
+        if self.parser is None:
+            return reasoning, content, []
+        content, calls = self.parser.feed(content) if content else ("", [])
+        return reasoning, content + self.parser.end(), calls
+
+    def finish(self, reason: str) -> str:
+        """The request's finish as OpenAI names it: a stop after calls is ``tool_calls``."""
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+
+def chat_reader(model: ModelConfig, prompt: str, tools: list[dict] | None, parallel: bool,
+                new_id: Callable[[], str]) -> Callable[[], ChatOutput] | None:
+    """What reads each choice of a chat request whose rendered prompt is ``prompt`` (None:
+    the output is all content). ``tools`` as the template got them; ``new_id`` names a call.
+    Tools need the config to name the model's call format: it is not guessed."""
+    read_calls = None
+    if tools is not None:
+        if model.tool_calls is None:
+            raise RequestError("tools need the model's tool-call format: set "
+                               "model.tool_call_parser in the config (one of: "
+                               f"{', '.join(TOOL_PARSERS)})", param="tools")
+        read_calls = TOOL_PARSERS[model.tool_calls]
+    think = REASONING_PARSERS[model.reasoning_parser] if model.reasoning_parser else None
+    if think is None and read_calls is None:
+        return None
+    # The template may open the reasoning block itself (DeepSeek-R1's does).
+    forced = prompt.rstrip().endswith(ThinkSplit.START)
+
+    def reader() -> ChatOutput:
+        return ChatOutput(think(forced) if think else None,
+                          TaggedCalls(read_calls, new_id, tools, parallel) if read_calls
+                          else None)
+    return reader
+
+
+class Sample:
+    """One of a request's ``n`` choices: its request at the service, the channel its output
+    comes on and how it is read; once it is done, its record, output token ids and the stop
+    string that ended it."""
+
+    __slots__ = ("index", "rid", "channel", "out", "record", "ids", "stop")
+
+    def __init__(self, index: int, rid: str, out: ChatOutput | None) -> None:
+        self.index = index
+        self.rid = rid
+        self.channel = Channel()
+        self.out = out
+        self.record: RequestDone | None = None
+        self.ids: list[int] = []
+        self.stop: str | None = None
+
+
+async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[str],
+                  started: Callable[[], None] | None = None):
+    """Yields ``("text", delta, ids)`` then ``("done", finish, ids)``, ``ids`` the output
+    token ids not yielded before; raises the request's error. At the end ``sample`` has
+    the request's record and all its output ids. ``started`` is called when the first
+    output arrives.
+
+    Text that may begin a stop string is held back until the next delta says whether it
+    does (a stop string often spans tokens): none of a matched stop string is sent."""
+    rid, queue = sample.rid, sample.channel.queue
+    detok = Detokenizer(tok)
+    sample.ids = detok.ids
+    held = ""
+    sent = 0
+
+    def new_ids() -> list[int]:
+        nonlocal sent
+        ids, sent = detok.ids[sent:], len(detok.ids)
+        return ids
+
+    while True:
+        item = await queue.get()
+        if started is not None and (isinstance(item, list) or item[1] is None):
+            started()
+            started = None
+        if isinstance(item, list):
+            delta = detok.add(item)
+            if stops and delta:
+                window = held + delta
+                hits = [(i, s) for i, s in ((window.find(s), s) for s in stops) if i >= 0]
+                if hits:
+                    cut, sample.stop = min(hits)
+                    if cut > 0:
+                        yield "text", window[:cut], new_ids()
+                    service.abort(rid)  # its record arrives synchronously
+                    while not queue.empty():
+                        it = queue.get_nowait()
+                        if isinstance(it, tuple):
+                            sample.record = it[0]
+                    yield "done", "stop", new_ids()
+                    return
+                k = max(partial_marker(window, s) for s in stops)
+                delta, held = window[:len(window) - k], window[len(window) - k:]
+            if delta:
+                yield "text", delta, new_ids()
+            continue
+        record, error = item
+        if error is not None:
+            raise error
+        if held:
+            yield "text", held, new_ids()
+        sample.record = record
+        yield "done", record.finish or "stop", new_ids()
+        return

@@ -1,6 +1,6 @@
 """``evinfra serve`` (the command line, a separate process) in front of a real SGLang PD pair:
-the ``openai`` client's chat and completion requests, streaming and not, go through the
-prefill engine and the decode engine."""
+the ``openai`` client's chat and completion requests and the ``anthropic`` client's messages,
+streaming and not, go through the prefill engine and the decode engine."""
 
 from __future__ import annotations
 
@@ -126,6 +126,35 @@ def test_completion_stream_token_ids(client):
     again = client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=8,
                                       temperature=0, extra_body={"ignore_eos": True})
     assert again.choices[0].text == text
+
+
+def test_n_choices(client):
+    """Choice 1 is a fork sent once choice 0 has prefilled (the engines' ids and streams
+    carry both)."""
+    r = client.completions.create(model=SERVED_NAME, prompt=list(range(3, 3 + 200)), n=2,
+                                  max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert [(c.index, c.finish_reason) for c in r.choices] == [(0, "length"), (1, "length")]
+    assert r.usage.completion_tokens == 8
+    assert r.choices[0].text == r.choices[1].text  # identical dummy weights, temperature 0
+
+
+def test_anthropic_messages(serve):
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=serve, api_key="none", max_retries=0, timeout=60)
+    kw = dict(model=SERVED_NAME, max_tokens=8, system="Be brief.", extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Plan the change, then edit."}])
+    m = a.messages.create(**kw)
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens >= 1
+    with a.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    assert [b.type for b in streamed.content] == ["text"]
+    assert streamed.content[0].text == m.content[0].text
+    # The second request's prompt is the first's: its KV is reused.
+    assert streamed.usage.cache_read_input_tokens > 0
+    assert a.messages.count_tokens(model=SERVED_NAME, system="Be brief.",
+                                   messages=kw["messages"]).input_tokens == \
+        m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
 def test_bad_request_is_a_clear_400(client):

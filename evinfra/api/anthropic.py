@@ -11,9 +11,9 @@ reasoning parser, ``text``, ``tool_use`` from the tool-call parser), whole or as
 stream of events. ``usage`` splits the prompt as Anthropic does: ``cache_read_input_tokens``
 reused from KV, ``input_tokens`` computed.
 
-Not served, refused with a 400: images (the model reads text), a forced ``tool_choice``
-(``any``, ``tool``: constrained decoding), Anthropic's own tool types (``bash_...``,
-``web_search_...``: their schemas are Anthropic's).
+Not served, refused with a 400: images (the model reads text), other block types, a forced
+``tool_choice`` (``any``, ``tool``: constrained decoding), Anthropic's own tool types
+(``bash_...``, ``web_search_...``: their schemas are Anthropic's).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from evinfra.service import Service, Submission
 __all__ = ["AnthropicRoutes", "CountTokensRequest", "MessagesRequest"]
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+_NO_IMAGES = "image blocks are not served: the model reads text"
 
 
 class Tool(msgspec.Struct, frozen=True):
@@ -59,15 +60,45 @@ class Thinking(msgspec.Struct, frozen=True):
     """Accepted, not enforced: ``max_tokens`` caps the whole output."""
 
 
+class TextBlock(msgspec.Struct, frozen=True, tag="text", tag_field="type"):
+    text: str
+
+
+class ToolUseBlock(msgspec.Struct, frozen=True, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, object] = {}
+
+
+class ImageBlock(msgspec.Struct, frozen=True, tag="image", tag_field="type"):
+    """Refused: the model reads text. (Typed, so the refusal can say so.)"""
+
+    source: object = None
+
+
+class ToolResultBlock(msgspec.Struct, frozen=True, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock] = ""
+    is_error: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, frozen=True, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""
+
+
+Block = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+
+
 class Message(msgspec.Struct, frozen=True):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, object]]
+    content: str | list[Block]
 
 
 class CountTokensRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     messages: list[Message]
-    system: str | list[dict[str, object]] | None = None
+    system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
@@ -83,20 +114,21 @@ class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
     evinfra: AgentHints | None = None
 
 
-def _text(blocks: str | list[dict[str, object]], param: str) -> str:
+def _text(blocks: str | list[TextBlock | ImageBlock], param: str) -> str:
     """Text blocks as one text (a newline between blocks, as SGLang joins them)."""
     if isinstance(blocks, str):
         return blocks
-    parts = []
     for j, b in enumerate(blocks):
-        if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise RequestError(f"{param}[{j}] must be a text block", param=f"{param}[{j}]")
-        parts.append(b["text"])
-    return "\n".join(parts)
+        if type(b) is ImageBlock:
+            raise RequestError(_NO_IMAGES, param=f"{param}[{j}]")
+    return "\n".join(b.text for b in blocks)
 
 
 def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
-    """The request as the chat template's messages."""
+    """The request as the chat template's messages: an assistant's tool uses are its
+    ``tool_calls``, a user's tool results ``tool`` messages before the user's text."""
+    if not body.messages:
+        raise RequestError("messages must not be empty", param="messages")
     out: list[dict[str, object]] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system, "system")})
@@ -106,28 +138,24 @@ def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
             continue
         text, calls, thinking, results = [], [], [], 0
         for j, b in enumerate(m.content):
-            kind, param = b.get("type"), f"messages[{i}].content[{j}]"
-            if kind == "text" and isinstance(b.get("text"), str):
-                text.append(b["text"])
-            elif kind == "tool_use" and m.role == "assistant":
-                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
-                    raise RequestError("a tool_use block needs a name and an input object",
-                                       param=param)
-                calls.append({"id": b.get("id"), "type": "function",
-                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
-            elif kind == "tool_result" and m.role == "user":
-                content = b.get("content") or ""
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                            "content": _text(content, f"{param}.content")
-                            if isinstance(content, (str, list)) else str(content)})
+            if type(b) is TextBlock:
+                text.append(b.text)
+            elif type(b) is ToolUseBlock and m.role == "assistant":
+                calls.append({"id": b.id, "type": "function",
+                              "function": {"name": b.name, "arguments": b.input}})
+            elif type(b) is ToolResultBlock and m.role == "user":
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": _text(b.content, f"messages[{i}].content[{j}].content")})
                 results += 1
-            elif kind == "thinking" and m.role == "assistant":
-                thinking.append(str(b.get("thinking", "")))
+            elif type(b) is ThinkingBlock and m.role == "assistant":
+                thinking.append(b.thinking)
+            elif type(b) is ImageBlock:
+                raise RequestError(_NO_IMAGES, param=f"messages[{i}].content[{j}]")
             else:
-                raise RequestError(f"a {m.role} message cannot hold a {kind!r} block here "
-                                   "(served: text; tool_use and thinking from the assistant, "
-                                   "tool_result from the user; images are not: the model "
-                                   "reads text)", param=param)
+                raise RequestError(f"a {m.role} message cannot hold a "
+                                   f"{b.__struct_config__.tag!r} block (tool_use and thinking "
+                                   "are the assistant's, tool_result the user's)",
+                                   param=f"messages[{i}].content[{j}]")
         if text or calls or not results:
             msg: dict[str, object] = {"role": m.role, "content": "\n".join(text)}
             if calls:
@@ -142,15 +170,14 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
     """The tools as the chat template gets them (None: none, or ``tool_choice`` ``none``)."""
     choice = body.tool_choice
     if choice is not None and choice.type in ("any", "tool"):
-        raise RequestError(f"tool_choice {choice.type!r} forces a call, which needs "
-                           "constrained decoding: this server serves 'auto' and 'none'",
-                           param="tool_choice")
+        raise RequestError(f"{choice.type!r} forces a call, which needs constrained "
+                           "decoding: this server serves 'auto' and 'none'", param="tool_choice")
     if not body.tools or (choice is not None and choice.type == "none"):
         return None
     for i, t in enumerate(body.tools):
         if t.type not in (None, "custom"):
-            raise RequestError(f"tool type {t.type!r} is Anthropic's own: describe the tool "
-                               "with a name and an input_schema", param=f"tools[{i}].type")
+            raise RequestError(f"{t.type!r} is one of Anthropic's own tool types: describe the "
+                               "tool with a name and an input_schema", param=f"tools[{i}].type")
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                               "parameters": t.input_schema}}
             for t in body.tools]

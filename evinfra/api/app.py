@@ -54,7 +54,7 @@ def _anthropic_error(status: int, message: str, type_: str, param: str | None = 
                      code: str | None = None) -> web.Response:
     """An error as Anthropic writes it: its type follows from the status."""
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    if param is not None:
+    if param is not None and not message.startswith(param):  # (Anthropic's has no param field)
         message = f"{param}: {message}"
     return web.Response(status=status, content_type="application/json", body=msgspec.json.encode(
         {"type": "error", "error": {"type": kind, "message": message}}))

@@ -131,9 +131,16 @@ async def test_count_tokens_and_prefix_reuse_in_usage(client, service):
     ({"messages": USER, "max_tokens": 5, "tools": [{"type": "bash_20250124", "name": "bash",
                                                     "input_schema": {}}]}, 400,
      "invalid_request_error", "tools[0].type"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f",
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                                  "input": {}}]}], "max_tokens": 5}, 400,
      "invalid_request_error", "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                 "content": [{"type": "image"}]}]}],
+      "max_tokens": 5}, 400, "invalid_request_error", "messages[0].content[0].content[0]"),
+    ({"messages": [], "max_tokens": 5}, 400, "invalid_request_error", "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                 "content": [1]}]}], "max_tokens": 5}, 400,
+     "invalid_request_error", "messages[0].content[0].content[0]"),  # (was a 500)
     ({"messages": USER, "max_tokens": 5, "temperature": 1.5}, 400, "invalid_request_error",
      "temperature"),
 ])
@@ -143,7 +150,7 @@ async def test_errors_in_anthropic_shape(client, bad, status, kind, where):
     assert r.status == status, await r.text()
     body = await r.json()
     assert body["type"] == "error" and body["error"]["type"] == kind
-    assert body["error"]["message"].startswith(f"{where}: ")
+    assert body["error"]["message"].startswith(where)
 
 
 @pytest.mark.parametrize("config_overrides", [{"server": {"api_key": "sk-1"}}])

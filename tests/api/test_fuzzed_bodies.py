@@ -102,15 +102,17 @@ def test_no_body_gets_a_server_error(post, case):
     assert status < 500, (body, text[:500])
 
 
-block = st.one_of(value, st.fixed_dictionaries(
+short = st.one_of(st.text(max_size=5), value)
+"""A string, as a field is meant to be, or anything."""
+block = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"])},
-    optional={"text": value, "name": st.one_of(st.just("f"), value), "input": value,
-              "id": value, "tool_use_id": value, "thinking": value,
-              "content": st.one_of(st.text(max_size=5), st.lists(value, max_size=2), value)}))
+    optional={"text": short, "name": st.one_of(st.just("f"), value), "input": value,
+              "id": short, "tool_use_id": short, "thinking": short,
+              "content": st.one_of(st.text(max_size=5), st.lists(value, max_size=2), value)})
 anthropic_body = st.fixed_dictionaries(
     {"model": st.just("evinfra-fake"), "max_tokens": st.integers(-1, 6),
      "messages": st.one_of(value, st.lists(st.fixed_dictionaries(
-         {"role": st.sampled_from(["user", "assistant", "system"]),
+         {"role": st.sampled_from(["user", "assistant", "user", "assistant", "system"]),
           "content": st.one_of(st.text(max_size=5), st.lists(block, max_size=3), value)}),
          min_size=1, max_size=3))},
     optional={"system": st.one_of(st.text(max_size=5), st.lists(block, max_size=2), value),

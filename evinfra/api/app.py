@@ -1,5 +1,5 @@
-"""The aiohttp application: OpenAI-compatible and Anthropic-compatible routes, agent and admin
-routes, health, metrics.
+"""The aiohttp application: OpenAI-compatible (chat, completions, responses) and
+Anthropic-compatible routes, agent and admin routes, health, metrics.
 
 Errors leave as OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``), or
 Anthropic's (``{"type": "error", "error": {"type", "message"}}``) on its routes, with the
@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from evinfra.api.anthropic import AnthropicRoutes
 from evinfra.api.metrics import Metrics
 from evinfra.api.openai import OpenAIRoutes
+from evinfra.api.responses import ResponsesRoutes
 from evinfra.api.schemas import SplitRequest, decode_body
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.core.types import Phase
@@ -184,6 +185,7 @@ def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
     admin = _Admin(service, metrics)
     OpenAIRoutes(service, tokenizer).add_to(app)
     AnthropicRoutes(service, tokenizer).add_to(app)
+    ResponsesRoutes(service, tokenizer).add_to(app)
     app.router.add_get("/health", admin.health)
     app.router.add_get("/ready", admin.ready)
     app.router.add_get("/metrics", admin.metrics_)

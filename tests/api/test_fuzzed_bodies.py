@@ -136,3 +136,33 @@ anthropic_body = st.fixed_dictionaries(
 def test_no_anthropic_body_gets_a_server_error(post, body, count):
     status, text = post("/v1/messages/count_tokens" if count else "/v1/messages", body)
     assert status < 500, (body, text[:500])
+
+
+item = st.one_of(value, st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                              "local_shell_call"])},
+    optional={"role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+              "content": st.one_of(short, st.lists(st.fixed_dictionaries(
+                  {"type": st.sampled_from(["input_text", "output_text", "input_image"])},
+                  optional={"text": short}), max_size=2)),
+              "call_id": short, "name": short, "output": short,
+              "arguments": st.one_of(st.just('{"a": 1}'), st.just("[1]"), short)}))
+responses_body = st.fixed_dictionaries(
+    {"model": st.just("evinfra-fake"), "max_output_tokens": st.integers(-1, 6),
+     "input": st.one_of(short, st.lists(item, max_size=4))},
+    optional={"instructions": short,
+              "tools": st.one_of(value, st.lists(st.fixed_dictionaries(
+                  {"type": st.sampled_from(["function", "web_search"])},
+                  optional={"name": short, "parameters": value}), max_size=2)),
+              "tool_choice": st.one_of(value, st.sampled_from(["auto", "none", "required"])),
+              "text": value, "previous_response_id": st.one_of(st.none(), short),
+              "stream": st.booleans()})
+"""Responses API bodies, mostly of the right shape."""
+
+
+@settings(max_examples=200, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=responses_body)
+def test_no_responses_body_gets_a_server_error(post, body):
+    status, text = post("/v1/responses", body)
+    assert status < 500, (body, text[:500])

@@ -1,6 +1,6 @@
 """``evinfra serve`` (the command line, a separate process) in front of a real SGLang PD pair:
-the ``openai`` client's chat and completion requests and the ``anthropic`` client's messages,
-streaming and not, go through the prefill engine and the decode engine."""
+the ``openai`` client's chat, completion and responses requests and the ``anthropic``
+client's messages, streaming and not, go through the prefill engine and the decode engine."""
 
 from __future__ import annotations
 
@@ -155,6 +155,18 @@ def test_anthropic_messages(serve):
     assert a.messages.count_tokens(model=SERVED_NAME, system="Be brief.",
                                    messages=kw["messages"]).input_tokens == \
         m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+
+def test_responses(client):
+    kw = dict(model=SERVED_NAME, max_output_tokens=8, temperature=0,
+              instructions="Be brief.", input="Plan the change, then edit.")
+    r = client.responses.create(**kw)
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+    with client.responses.stream(**kw) as s:  # (the client checks the events' order)
+        ends = [e.response for e in s if e.type in ("response.completed",
+                                                      "response.incomplete")]
+    assert len(ends) == 1 and ends[0].output_text == r.output_text
+    assert ends[0].usage.input_tokens_details.cached_tokens > 0  # the same prompt again
 
 
 def test_bad_request_is_a_clear_400(client):

@@ -1,0 +1,429 @@
+"""``POST /v1/responses``: OpenAI's Responses API, stateless (Codex CLI's wire API).
+
+As SGLang and vLLM serve it, a request is read into the chat route's terms and served by the
+same path (``serving.py``): ``instructions`` and ``system``/``developer`` messages are the
+system prompt, message items the conversation, ``function_call`` items the assistant's
+``tool_calls`` and ``function_call_output`` items ``tool`` messages; ``reasoning`` items are
+left out (harnesses leave thinking out of the next context). Function tools go through the
+chat template. The answer is output items (``reasoning``, a ``message`` with its
+``output_text``, ``function_call``), whole or as the API's stream of events, with ``usage``'s
+``input_tokens_details.cached_tokens`` the prompt tokens whose KV was reused.
+
+Nothing is stored, so ``previous_response_id`` is refused (clients send the whole input, as
+Codex does with ``store: false``); ``store``, ``include``, ``reasoning`` and the other
+settings that do not change the answer are accepted and ignored. Refused with a 400: images,
+tool types other than ``function``, a forced ``tool_choice``, a JSON ``text.format``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+import msgspec
+from aiohttp import web
+
+from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
+from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, outputs,
+                                 read_hints)
+from evinfra.api.tokenizer import Tokenizer
+from evinfra.api.tool_calls import ToolCall
+from evinfra.drivers.base import Sampling
+from evinfra.errors import EvinfraError, RequestError
+from evinfra.service import Service, Submission
+
+__all__ = ["ResponsesRequest", "ResponsesRoutes"]
+
+_NO_IMAGES = "images are not served: the model reads text"
+
+
+class InputText(msgspec.Struct, frozen=True, tag="input_text", tag_field="type"):
+    text: str
+
+
+class OutputText(msgspec.Struct, frozen=True, tag="output_text", tag_field="type"):
+    text: str
+
+
+class InputImage(msgspec.Struct, frozen=True, tag="input_image", tag_field="type"):
+    """Refused (typed, so the refusal can say so)."""
+
+
+Part = InputText | OutputText | InputImage
+
+
+class MessageItem(msgspec.Struct, frozen=True, tag="message", tag_field="type"):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+
+
+class FunctionCallItem(msgspec.Struct, frozen=True, tag="function_call", tag_field="type"):
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(msgspec.Struct, frozen=True, tag="function_call_output",
+                             tag_field="type"):
+    call_id: str
+    output: str | list[Part]
+
+
+class ReasoningItem(msgspec.Struct, frozen=True, tag="reasoning", tag_field="type"):
+    """Left out of the prompt."""
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class FunctionTool(msgspec.Struct, frozen=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(msgspec.Struct, frozen=True):
+    type: str = "text"
+
+
+class TextConfig(msgspec.Struct, frozen=True):
+    format: TextFormat = TextFormat()
+
+
+class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    input: str | list[object]
+    """Text, or items (checked one by one, so an error names the item)."""
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, object] | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    top_logprobs: int | None = None
+    evinfra: AgentHints | None = None
+
+
+def _item(i: int, raw: object) -> Item:
+    """An input item, checked (a message may leave out its ``type``)."""
+    if isinstance(raw, dict) and "type" not in raw and "role" in raw:
+        raw = {**raw, "type": "message"}
+    try:
+        return msgspec.convert(raw, Item)
+    except msgspec.ValidationError as exc:
+        msg, _, where = str(exc).partition(" - at `$")
+        raise RequestError(f"invalid input item: {msg}", param=f"input[{i}]{where.rstrip('`')}")
+
+
+def _text(content: str | list[Part], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    for j, p in enumerate(content):
+        if type(p) is InputImage:
+            raise RequestError(_NO_IMAGES, param=f"{param}[{j}]")
+    return "".join(p.text for p in content)
+
+
+def _arguments(item: FunctionCallItem, param: str) -> dict:
+    try:
+        args = msgspec.json.decode(item.arguments or "{}")
+    except msgspec.DecodeError:
+        args = None
+    if not isinstance(args, dict):
+        raise RequestError("arguments must be a JSON object", param=param)
+    return args
+
+
+def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
+    """The request as the chat template's messages: consecutive function calls are one
+    assistant turn's ``tool_calls``."""
+    out: list[dict[str, object]] = []
+    if body.instructions:
+        out.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        out.append({"role": "user", "content": body.input})
+        return out
+    if not body.input:
+        raise RequestError("input must not be empty", param="input")
+    for i, raw in enumerate(body.input):
+        it = _item(i, raw)
+        if type(it) is MessageItem:
+            out.append({"role": "system" if it.role == "developer" else it.role,
+                        "content": _text(it.content, f"input[{i}].content")})
+        elif type(it) is FunctionCallItem:
+            call = {"id": it.call_id, "type": "function",
+                    "function": {"name": it.name,
+                                 "arguments": _arguments(it, f"input[{i}].arguments")}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # type: ignore[union-attr]
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif type(it) is FunctionCallOutputItem:
+            out.append({"role": "tool", "tool_call_id": it.call_id,
+                        "content": _text(it.output, f"input[{i}].output")})
+    return out
+
+
+def _tools(body: ResponsesRequest) -> list[dict] | None:
+    choice = body.tool_choice
+    if choice is not None and choice not in ("auto", "none"):
+        raise RequestError("a forced tool_choice needs constrained decoding: this server "
+                           "serves 'auto' and 'none'", param="tool_choice")
+    for i, t in enumerate(body.tools or ()):
+        if t.type != "function" or not t.name:
+            raise RequestError(f"tool type {t.type!r} is not served: describe the tool as a "
+                               "function with a name and parameters", param=f"tools[{i}]")
+    if not body.tools or choice == "none":
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.parameters or {}}}
+            for t in body.tools]
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _call_id() -> str:
+    return _new_id("call")
+
+
+class _Items:
+    """Output items as they come: a reasoning or message item stays open while its kind goes
+    on; a function call is an item of its own. ``events`` are the stream's, numbered."""
+
+    def __init__(self) -> None:
+        self.done: list[dict] = []
+        self.events: list[dict] = []
+        self.seq = 0
+        self.open: dict | None = None
+        self.parts: list[str] = []  # the open item's text (joined once: a += per delta is
+        # quadratic on a long answer)
+
+    def emit(self, event: dict) -> None:
+        event["sequence_number"] = self.seq
+        self.seq += 1
+        self.events.append(event)
+
+    def add(self, reasoning: str, text: str, calls: list[ToolCall]) -> None:
+        for kind, piece in (("reasoning", reasoning), ("message", text)):
+            if piece:
+                if self.open is None or self.open["type"] != kind:
+                    self.close()
+                    self._start(kind)
+                self.parts.append(piece)
+                self.emit({"type": "response.reasoning_text.delta" if kind == "reasoning"
+                           else "response.output_text.delta", "item_id": self.open["id"],
+                           "output_index": len(self.done), "content_index": 0, "delta": piece,
+                           "logprobs": []})
+        for c in calls:
+            self.close()
+            item = {"type": "function_call", "id": _new_id("fc"), "call_id": c.id,
+                    "name": c.name, "arguments": "", "status": "in_progress"}
+            at = {"item_id": item["id"], "output_index": len(self.done)}
+            self.emit({"type": "response.output_item.added", "output_index": len(self.done),
+                       "item": item})
+            self.emit({"type": "response.function_call_arguments.delta", **at,
+                       "delta": c.arguments})
+            self.emit({"type": "response.function_call_arguments.done", **at,
+                       "arguments": c.arguments})
+            item = {**item, "arguments": c.arguments, "status": "completed"}
+            self.emit({"type": "response.output_item.done", "output_index": len(self.done),
+                       "item": item})
+            self.done.append(item)
+
+    def finish(self) -> list[dict]:
+        """Close the open item; the output items (an empty answer is an empty message)."""
+        self.close()
+        if not self.done:
+            self._start("message")
+            self.close()
+        return self.done
+
+    def _start(self, kind: str) -> None:
+        self.open = {"type": kind, "id": _new_id("rs" if kind == "reasoning" else "msg")}
+        self.parts = []
+        part = _part(kind, "")
+        self.emit({"type": "response.output_item.added", "output_index": len(self.done),
+                   "item": _item_of(self.open, None, "in_progress")})
+        self.emit({"type": "response.content_part.added", "item_id": self.open["id"],
+                   "output_index": len(self.done), "content_index": 0, "part": part})
+
+    def close(self) -> None:
+        if self.open is None:
+            return
+        kind, text = self.open["type"], "".join(self.parts)
+        at = {"item_id": self.open["id"], "output_index": len(self.done), "content_index": 0}
+        self.emit({"type": "response.reasoning_text.done" if kind == "reasoning"
+                   else "response.output_text.done", **at, "text": text, "logprobs": []})
+        self.emit({"type": "response.content_part.done", **at, "part": _part(kind, text)})
+        item = _item_of(self.open, text, "completed")
+        self.emit({"type": "response.output_item.done", "output_index": len(self.done),
+                   "item": item})
+        self.done.append(item)
+        self.open = None
+
+
+def _part(kind: str, text: str) -> dict:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _item_of(head: dict, text: str | None, status: str) -> dict:
+    """A reasoning or message item with its one part (none while it is being added)."""
+    content = [] if text is None else [_part(head["type"], text)]
+    if head["type"] == "reasoning":
+        return {"type": "reasoning", "id": head["id"], "summary": [], "content": content}
+    return {"type": "message", "id": head["id"], "status": status, "role": "assistant",
+            "content": content}
+
+
+class ResponsesRoutes:
+    def __init__(self, service: Service, tokenizer: Tokenizer) -> None:
+        self.service = service
+        self.tok = tokenizer
+        self.model = service.config.model
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/responses", self.responses)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body = decode_body(await request.read(), ResponsesRequest)
+        check_model(self.model, body.model)
+        if body.previous_response_id is not None:
+            raise RequestError("responses are not stored: send the whole input instead of "
+                               "previous_response_id", param="previous_response_id")
+        if body.text is not None and body.text.format.type != "text":
+            raise RequestError("text.format must be 'text': JSON output needs constrained "
+                               "decoding, which this server does not serve",
+                               param="text.format")
+        if body.top_logprobs:
+            raise RequestError("top_logprobs are not served", param="top_logprobs")
+        tools = _tools(body)
+        prompt = self.tok.apply_chat_template(_chat_messages(body), tools)
+        reader = chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id)
+        tokens = self.tok.encode(prompt)
+        sampling = Sampling(max_tokens_for(self.model, tokens, body.max_output_tokens),
+                            body.temperature, body.top_p,
+                            stop_token_ids=list(self.tok.eos_token_ids))
+        hints = read_hints(request, body.evinfra)
+        rid = _new_id("resp")
+        sample = Sample(0, rid, reader() if reader else None)
+        self.service.submit(Submission(tokens, sampling, hints.branch_id,
+                                       hints.parent_branch_id, hints.final, rid),
+                            sample.channel)
+        stream = outputs(self.service, self.tok, sample, [])
+        answer = _Answer(self, body, sample, int(tokens.size))
+        try:
+            if body.stream:
+                return await answer.stream(request, stream)
+            return await answer.whole(stream)
+        except BaseException:
+            self.service.abort(rid)  # the client went away
+            raise
+
+
+class _Answer:
+    """One response: its fixed fields, and how its output items are written."""
+
+    def __init__(self, routes: ResponsesRoutes, body: ResponsesRequest, sample: Sample,
+                 prompt: int) -> None:
+        self.tok = routes.tok
+        self.service = routes.service
+        self.sample = sample
+        self.prompt = prompt
+        self.head = {
+            "id": sample.rid, "object": "response", "created_at": int(time.time()),
+            "model": routes.model.name, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": body.temperature, "top_p": body.top_p,
+            "tool_choice": body.tool_choice or "auto",
+            "tools": [msgspec.to_builtins(t) for t in body.tools or ()], "error": None}
+
+    def response(self, status: str, output: list[dict], finish: str | None = None) -> dict:
+        out = {**self.head, "status": status, "output": output, "incomplete_details": None}
+        if finish is not None:
+            if finish == "length":
+                out["status"] = "incomplete"
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+            out["usage"] = self.usage(output)
+        return out
+
+    def usage(self, output: list[dict]) -> dict:
+        s = self.sample
+        cached = s.record.cached_tokens if s.record is not None else 0
+        reasoning = sum(len(self.tok.encode(p["text"])) for it in output
+                        if it["type"] == "reasoning" for p in it["content"])
+        return {"input_tokens": self.prompt, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": len(s.ids),
+                "output_tokens_details": {"reasoning_tokens": reasoning},
+                "total_tokens": self.prompt + len(s.ids)}
+
+    async def whole(self, stream) -> web.Response:
+        text, finish = [], "stop"
+        async for item in stream:
+            if item[0] == "text":
+                text.append(item[1])
+            else:
+                finish = item[1]
+        items = _Items()
+        out = self.sample.out
+        if out is None:
+            items.add("", "".join(text), [])
+        else:
+            items.add(*out.feed("".join(text)))
+            items.add(*out.end())
+        return web.json_response(self.response("completed", items.finish(), finish))
+
+    async def stream(self, request: web.Request, stream) -> web.StreamResponse:
+        try:
+            first = await stream.__anext__()
+        except EvinfraError:
+            raise  # nothing sent yet: an ordinary error response
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        out, items = self.sample.out, _Items()
+        items.emit({"type": "response.created", "response": self.response("in_progress", [])})
+        items.emit({"type": "response.in_progress", "response": self.response("in_progress", [])})
+        await resp.prepare(request)
+        item = first
+        try:
+            try:
+                while item[0] == "text":
+                    if out is None:
+                        items.add("", item[1], [])
+                    else:
+                        items.add(*out.feed(item[1]))
+                    await self._flush(resp, items)
+                    item = await stream.__anext__()
+                if out is not None:
+                    items.add(*out.end())
+                final = self.response("completed", items.finish(), item[1])
+                items.emit({"type": f"response.{final['status']}", "response": final})
+            except EvinfraError as exc:
+                # Headers are out: report the error in the stream, as OpenAI does.
+                items.emit({"type": "error", "code": None, "message": exc.message,
+                            "param": None})
+            await self._flush(resp, items)
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client went away mid-stream: stop the request, end without a traceback.
+            self.service.abort(self.sample.rid)
+        return resp
+
+    @staticmethod
+    async def _flush(resp: web.StreamResponse, items: _Items) -> None:
+        if items.events:
+            await resp.write(b"".join(b"event: " + e["type"].encode() + b"\ndata: "
+                                      + msgspec.json.encode(e) + b"\n\n" for e in items.events))
+            items.events.clear()

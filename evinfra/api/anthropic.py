@@ -26,13 +26,13 @@ import msgspec
 from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, TopP, decode_body
-from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, outputs,
-                                 read_hints, stop_strings)
+from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for,
+                                 stop_strings, submit_one)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
-from evinfra.service import Service, Submission
+from evinfra.service import Service
 
 __all__ = ["AnthropicRoutes", "CountTokensRequest", "MessagesRequest"]
 
@@ -271,13 +271,9 @@ class AnthropicRoutes:
                             body.temperature, body.top_p,
                             stop_token_ids=list(self.tok.eos_token_ids),
                             top_k=body.top_k or -1)
-        hints = read_hints(request, body.evinfra)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
-        sample = Sample(0, mid, reader() if reader else None)
-        self.service.submit(Submission(tokens, sampling, hints.branch_id,
-                                       hints.parent_branch_id, hints.final, mid),
-                            sample.channel)
-        stream = outputs(self.service, self.tok, sample, stop_strings(body.stop_sequences))
+        sample, stream = submit_one(self.service, self.tok, request, body.evinfra, tokens,
+                                    sampling, mid, reader, stop_strings(body.stop_sequences))
         try:
             if body.stream:
                 return await self._stream(request, sample, stream, int(tokens.size))

@@ -25,13 +25,12 @@ import msgspec
 from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
-from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, outputs,
-                                 read_hints)
+from evinfra.api.serving import Sample, chat_reader, check_model, max_tokens_for, submit_one
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
-from evinfra.service import Service, Submission
+from evinfra.service import Service
 
 __all__ = ["ResponsesRequest", "ResponsesRoutes"]
 
@@ -315,13 +314,9 @@ class ResponsesRoutes:
         sampling = Sampling(max_tokens_for(self.model, tokens, body.max_output_tokens),
                             body.temperature, body.top_p,
                             stop_token_ids=list(self.tok.eos_token_ids))
-        hints = read_hints(request, body.evinfra)
         rid = _new_id("resp")
-        sample = Sample(0, rid, reader() if reader else None)
-        self.service.submit(Submission(tokens, sampling, hints.branch_id,
-                                       hints.parent_branch_id, hints.final, rid),
-                            sample.channel)
-        stream = outputs(self.service, self.tok, sample, [])
+        sample, stream = submit_one(self.service, self.tok, request, body.evinfra, tokens,
+                                    sampling, rid, reader, [])
         answer = _Answer(self, body, sample, int(tokens.size))
         try:
             if body.stream:

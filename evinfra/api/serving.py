@@ -25,11 +25,12 @@ from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
 from evinfra.api.tool_calls import TaggedCalls, ToolCall
 from evinfra.config import ModelConfig
 from evinfra.core.events import RequestDone
+from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
-from evinfra.service import Service
+from evinfra.service import Service, Submission
 
 __all__ = ["Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader", "check_model",
-           "max_tokens_for", "outputs", "read_hints", "stop_strings"]
+           "max_tokens_for", "outputs", "read_hints", "stop_strings", "submit_one"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -242,3 +243,15 @@ async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[
         sample.record = record
         yield "done", record.finish or "stop", new_ids()
         return
+
+
+def submit_one(service: Service, tok: Tokenizer, request: web.Request,
+               hints: AgentHints | None, tokens: np.ndarray, sampling: Sampling, rid: str,
+               reader: Callable[[], ChatOutput] | None, stops: list[str]):
+    """Submit a request of one choice with the agent hints of its headers and ``hints``
+    (its body's); returns its :class:`Sample` and :func:`outputs`."""
+    h = read_hints(request, hints)
+    sample = Sample(0, rid, reader() if reader else None)
+    service.submit(Submission(tokens, sampling, h.branch_id, h.parent_branch_id, h.final, rid),
+                   sample.channel)
+    return sample, outputs(service, tok, sample, stops)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import numpy as np
 import pytest
@@ -67,3 +69,23 @@ def model_says(monkeypatch, text: str) -> None:
     tokenizer's ids), then "stop"."""
     ids = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint32)
     monkeypatch.setattr(OutputPlanner, "plan", lambda self, request, sampling: (ids, "stop"))
+
+
+async def eventually(check, seconds: float = 5.0) -> bool:
+    """Whether ``check()`` holds within ``seconds`` (polled every 10 ms)."""
+    for _ in range(int(seconds / 0.01)):
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
+
+
+def spy_prefill_orders(service) -> list:
+    """The prefill orders the service sends its engines, from now on."""
+    orders = []
+    for d in service.drivers.values():
+        def spy(order, _f=d.submit_prefill):
+            orders.append(order)
+            return _f(order)
+        d.submit_prefill = spy
+    return orders

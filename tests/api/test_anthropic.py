@@ -2,14 +2,12 @@
 streamed, tool use both ways, stop sequences, thinking, token counts, the prefix reuse in
 ``usage``, agent hints, and errors in Anthropic's shape."""
 
-import asyncio
-
 import anthropic
 import msgspec
 import pytest
 
 from evinfra.api.tokenizer import ByteTokenizer
-from tests.api.conftest import model_says
+from tests.api.conftest import eventually, model_says
 
 TOOLS = [{"name": "read_file", "description": "Read a file",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
@@ -172,8 +170,4 @@ async def test_a_client_that_goes_away_stops_the_request(client, service, monkey
     await r.content.readline()  # message_start is out
     assert service.in_flight() == 1
     r.close()
-    for _ in range(500):
-        if service.in_flight() == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert service.in_flight() == 0
+    assert await eventually(lambda: service.in_flight() == 0)

@@ -8,24 +8,15 @@ import asyncio
 import msgspec
 import pytest
 
-from tests.api.conftest import body, model_says, openai_client
+from tests.api.conftest import (body, eventually, model_says, openai_client,
+                                spy_prefill_orders)
 
 CHAT = "/v1/chat/completions"
 PROMPT = "".join(chr(33 + i % 90) for i in range(2_000))  # 2,000 byte tokens: 31 full pages
 
 
-def spy_orders(service) -> list:
-    orders = []
-    for d in service.drivers.values():
-        def spy(order, _f=d.submit_prefill):
-            orders.append(order)
-            return _f(order)
-        d.submit_prefill = spy
-    return orders
-
-
 async def test_choices_whole(client, service):
-    orders = spy_orders(service)
+    orders = spy_prefill_orders(service)
     submitted = []
     submit = service.submit
 
@@ -99,20 +90,12 @@ async def test_a_client_that_goes_away_stops_every_choice(client, service, strea
     task = asyncio.ensure_future(client.post(CHAT, data=body(
         model="evinfra-fake", messages=[{"role": "user", "content": "x"}], n=3,
         max_tokens=100_000, ignore_eos=True, stream=stream)))
-    for _ in range(500):
-        if len(seen) == 3 and service.in_flight() == 3:
-            break
-        await asyncio.sleep(0.01)
-    assert service.in_flight() == 3
+    assert await eventually(lambda: len(seen) == 3 and service.in_flight() == 3)
     if task.done():  # a stream's headers came: drop the connection
         task.result().close()
     else:
         task.cancel()
-    for _ in range(500):
-        if service.in_flight() == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert service.in_flight() == 0
+    assert await eventually(lambda: service.in_flight() == 0)
 
 
 async def test_n_is_checked(client):

@@ -2,14 +2,13 @@
 (the client checks the events' order and identities), function calls both ways, reasoning,
 the prefix reuse in ``usage``, and what is refused."""
 
-import asyncio
 import json
 
 import msgspec
 import pytest
 
 from evinfra.api.tokenizer import ByteTokenizer
-from tests.api.conftest import model_says, openai_client
+from tests.api.conftest import eventually, model_says, openai_client
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]
@@ -139,8 +138,4 @@ async def test_a_client_that_goes_away_stops_the_request(client, service, monkey
     await r.content.readline()  # response.created is out
     assert service.in_flight() == 1
     r.close()
-    for _ in range(500):
-        if service.in_flight() == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert service.in_flight() == 0
+    assert await eventually(lambda: service.in_flight() == 0)

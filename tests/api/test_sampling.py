@@ -1,7 +1,7 @@
 """The sampling options of a request reach the engines' orders, and SGLang's body."""
 
 from evinfra.drivers.sglang.requests import sampling_params
-from tests.api.conftest import body
+from tests.api.conftest import body, spy_prefill_orders
 
 ASKED = {"temperature": 0.7, "top_p": 0.9, "seed": 3, "top_k": 20, "min_p": 0.05,
          "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.1}
@@ -34,12 +34,7 @@ async def test_sampling_options_reach_both_orders_and_the_sglang_body(client, se
 
 
 async def test_options_left_out_are_left_out_of_the_sglang_body(client, service):
-    orders = []
-    for d in service.drivers.values():
-        def spy(order, _f=d.submit_prefill):
-            orders.append(order)
-            return _f(order)
-        d.submit_prefill = spy
+    orders = spy_prefill_orders(service)
     r = await client.post("/v1/completions", data=body(model="evinfra-fake", prompt="hi",
                                                        max_tokens=2, top_k=-1))
     assert r.status == 200, await r.text()

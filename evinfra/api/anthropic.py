@@ -27,7 +27,7 @@ from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, TopP, decode_body
 from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for,
-                                 stop_strings, submit_one)
+                                 stop_strings, submit_one, whole)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -303,18 +303,8 @@ class AnthropicRoutes:
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
     async def _whole(self, sample: Sample, stream, prompt: int) -> web.Response:
-        text, finish = [], "stop"
-        async for item in stream:
-            if item[0] == "text":
-                text.append(item[1])
-            else:
-                finish = item[1]
-        content, reasoning, out = "".join(text), "", sample.out
-        if out is not None:
-            r1, c1, _ = out.feed(content)
-            r2, c2, _ = out.end()
-            content, reasoning = c1 + c2, r1 + r2
-        calls = out.calls if out is not None else []
+        reasoning, content, finish = await whole(sample, stream)
+        calls = sample.out.calls if sample.out is not None else []
         blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
             else []
         if content or not calls:

@@ -21,7 +21,7 @@ from aiohttp import web
 from evinfra.api.schemas import (UNSERVED_MESSAGES, ChatCompletionRequest, CompletionRequest,
                                  decode_body)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
-                                 outputs, read_hints, stop_strings)
+                                 outputs, read_hints, stop_strings, whole)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -184,14 +184,14 @@ class OpenAIRoutes:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def _whole(self, rid: str, body, samples: list[Sample], outputs: list, chat: bool,
+    async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,
                      prompt: int) -> web.Response:
         if len(samples) == 1:
-            choices = [await self._whole_choice(body, samples[0], outputs[0], chat)]
+            choices = [await self._whole_choice(body, samples[0], streams[0], chat)]
         else:
             # Each choice is read as its output comes, so a stop string ends it at once.
             tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat))
-                     for s, o in zip(samples, outputs)]
+                     for s, o in zip(samples, streams)]
             try:
                 choices = await asyncio.gather(*tasks)
             finally:
@@ -202,23 +202,13 @@ class OpenAIRoutes:
             "created": int(time.time()), "model": self.model.name, "choices": choices,
             "usage": self._usage(samples, prompt)})
 
-    async def _whole_choice(self, body, sample: Sample, outputs, chat: bool) -> dict:
-        text: list[str] = []
-        finish = "stop"
-        async for item in outputs:
-            if item[0] == "text":
-                text.append(item[1])
-            else:
-                finish = item[1]
-        content: str | None = "".join(text)
+    async def _whole_choice(self, body, sample: Sample, stream, chat: bool) -> dict:
+        reasoning, content, finish = await whole(sample, stream)
         message: dict = {"role": "assistant"}
         out = sample.out
         if out is not None:
-            r1, c1, _ = out.feed(content)
-            r2, c2, _ = out.end()
-            content = c1 + c2
             if out.think is not None:
-                message["reasoning_content"] = (r1 + r2) or None
+                message["reasoning_content"] = reasoning or None
             if out.calls:
                 message["tool_calls"] = [c.wire() for c in out.calls]
                 content = content or None
@@ -233,7 +223,7 @@ class OpenAIRoutes:
         return choice
 
     async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
-                      outputs: list, chat: bool, prompt: int) -> web.StreamResponse:
+                      streams: list, chat: bool, prompt: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         created = int(time.time())
@@ -265,7 +255,7 @@ class OpenAIRoutes:
             return sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
                         "choices": [choice]})
 
-        async def choice_events(sample: Sample, outputs, item):
+        async def choice_events(sample: Sample, stream, item):
             """One choice's chunks, from its first output ``item`` to its finish."""
             i, out = sample.index, sample.out
             n_calls = 0
@@ -285,13 +275,13 @@ class OpenAIRoutes:
             if chat:
                 yield chunk(i, "", None, role=True)
             if item is None:
-                item = await outputs.__anext__()
+                item = await stream.__anext__()
             while item[0] == "text":
                 if out is None:
                     yield chunk(i, item[1], None, ids=item[2])
                 else:
                     yield read(*out.feed(item[1]), item[2])
-                item = await outputs.__anext__()
+                item = await stream.__anext__()
             _, finish, rest = item
             if out is not None:
                 yield read(*out.end())
@@ -299,7 +289,7 @@ class OpenAIRoutes:
             yield chunk(i, None if chat else "", finish, ids=rest)
 
         try:
-            first = await outputs[0].__anext__()
+            first = await streams[0].__anext__()
         except EvinfraError:
             raise  # nothing sent yet: an ordinary error response
 
@@ -307,12 +297,12 @@ class OpenAIRoutes:
             """The stream after the headers: the choices' chunks, the usage, [DONE]."""
             try:
                 if len(samples) == 1:
-                    async for data in choice_events(samples[0], outputs[0], first):
+                    async for data in choice_events(samples[0], streams[0], first):
                         yield data
                 else:
                     async for data in _merged([choice_events(s, o, first if s.index == 0
                                                              else None)
-                                               for s, o in zip(samples, outputs)]):
+                                               for s, o in zip(samples, streams)]):
                         yield data
                 opts = body.stream_options
                 if opts is not None and opts.include_usage:

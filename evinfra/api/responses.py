@@ -25,7 +25,8 @@ import msgspec
 from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
-from evinfra.api.serving import Sample, chat_reader, check_model, max_tokens_for, submit_one
+from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, submit_one,
+                                 whole)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -320,8 +321,8 @@ class ResponsesRoutes:
         answer = _Answer(self, body, sample, int(tokens.size))
         try:
             if body.stream:
-                return await answer.stream(request, stream)
-            return await answer.whole(stream)
+                return await answer.write_stream(request, stream)
+            return await answer.write_whole(stream)
         except BaseException:
             self.service.abort(rid)  # the client went away
             raise
@@ -364,23 +365,13 @@ class _Answer:
                 "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": self.prompt + len(s.ids)}
 
-    async def whole(self, stream) -> web.Response:
-        text, finish = [], "stop"
-        async for item in stream:
-            if item[0] == "text":
-                text.append(item[1])
-            else:
-                finish = item[1]
+    async def write_whole(self, stream) -> web.Response:
+        reasoning, content, finish = await whole(self.sample, stream)
         items = _Items()
-        out = self.sample.out
-        if out is None:
-            items.add("", "".join(text), [])
-        else:
-            items.add(*out.feed("".join(text)))
-            items.add(*out.end())
+        items.add(reasoning, content, self.sample.out.calls if self.sample.out else [])
         return web.json_response(self.response("completed", items.finish(), finish))
 
-    async def stream(self, request: web.Request, stream) -> web.StreamResponse:
+    async def write_stream(self, request: web.Request, stream) -> web.StreamResponse:
         try:
             first = await stream.__anext__()
         except EvinfraError:

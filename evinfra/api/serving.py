@@ -30,7 +30,7 @@ from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
 
 __all__ = ["Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader", "check_model",
-           "max_tokens_for", "outputs", "read_hints", "stop_strings", "submit_one"]
+           "max_tokens_for", "outputs", "read_hints", "stop_strings", "submit_one", "whole"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -255,3 +255,20 @@ def submit_one(service: Service, tok: Tokenizer, request: web.Request,
     service.submit(Submission(tokens, sampling, h.branch_id, h.parent_branch_id, h.final, rid),
                    sample.channel)
     return sample, outputs(service, tok, sample, stops)
+
+
+async def whole(sample: Sample, stream) -> tuple[str, str, str]:
+    """An output read to its end (``stream`` is the sample's :func:`outputs`): its
+    reasoning, its content and its finish; its calls are ``sample.out.calls``."""
+    text, finish = [], "stop"
+    async for item in stream:
+        if item[0] == "text":
+            text.append(item[1])
+        else:
+            finish = item[1]
+    content, out = "".join(text), sample.out
+    if out is None:
+        return "", content, finish
+    r1, c1, _ = out.feed(content)
+    r2, c2, _ = out.end()
+    return r1 + r2, c1 + c2, finish

@@ -169,11 +169,11 @@ class OpenAIRoutes:
             if body.stream:
                 return await self._stream(request, rid, body, samples, streams, chat, prompt)
             return await self._whole(rid, body, samples, streams, chat, prompt)
-        except BaseException:
-            # The client went away, or a choice failed: none of the others is wanted now.
+        finally:
+            # The answer is out, the client went away or a choice failed: no choice still
+            # running is wanted now (a finished one is not aborted).
             for s in samples:
                 self.service.abort(s.rid)
-            raise
 
     def _usage(self, samples: list[Sample], prompt: int) -> dict:
         """The prompt counts once (its KV is shared); the completions of every choice."""

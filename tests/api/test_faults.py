@@ -3,7 +3,10 @@ a stalled node trips a timeout instead of hanging a client."""
 
 import asyncio
 
+import numpy as np
 import pytest
+
+from evinfra.drivers.fake.outputs import OutputPlanner
 
 MODEL = "evinfra-fake"
 
@@ -84,3 +87,46 @@ async def test_a_client_that_goes_away_mid_stream_aborts_its_request(client, ser
     r = await completion(client, "still serving")
     assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 8
     assert service.counters["ok"] == 1
+
+
+STREAMS = {  # a long streamed request per dialect, and what its error event looks like
+    "/v1/messages": ({"model": MODEL, "max_tokens": 400, "stream": True,
+                      "messages": [{"role": "user", "content": "a long story " * 20}]},
+                     "event: error"),
+    "/v1/responses": ({"model": MODEL, "max_output_tokens": 400, "stream": True,
+                       "input": "a long story " * 20}, "event: error"),
+    "/v1/chat/completions": ({"model": MODEL, "max_tokens": 400, "stream": True, "n": 3,
+                              "ignore_eos": True,
+                              "messages": [{"role": "user", "content": "a long story " * 20}]},
+                             '"error"'),
+}
+
+
+@pytest.mark.parametrize("config_overrides", [{"fake": {"d0": 0.02}}])
+@pytest.mark.parametrize("path", list(STREAMS))
+async def test_a_crash_mid_stream_is_an_error_event_in_every_dialect(client, service,
+                                                                     monkeypatch, path):
+    monkeypatch.setattr(OutputPlanner, "plan", lambda self, request, sampling: (
+        np.full(400, 120, dtype=np.uint32), "length"))  # long, whatever the dialect asks
+    body, error = STREAMS[path]
+    resp = await client.post(path, json=body)
+    assert resp.status == 200
+    await resp.content.readline()  # the stream has begun
+    node = next(iter(service._flights.values())).decode
+    engine(service, node).crash()
+    text = (await resp.read()).decode()
+    assert error in text and node in text
+    assert not service._flights  # every choice of the request is over
+    r = await completion(client, "still serving")
+    assert r.status == 200, await r.text()
+
+
+@pytest.mark.parametrize("config_overrides", [{"server": {"first_token_timeout_s": 0.5}}])
+async def test_a_timeout_in_anthropic_shape(client, service):
+    for n in service.fake_cluster.engines:
+        engine(service, n).stall()
+    resp = await client.post("/v1/messages", json={
+        "model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "stuck"}]})
+    assert resp.status == 504
+    body = await resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == "api_error"

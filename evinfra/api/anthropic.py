@@ -315,10 +315,8 @@ class AnthropicRoutes:
 
     async def _stream(self, request: web.Request, sample: Sample, stream, prompt: int
                       ) -> web.StreamResponse:
-        try:
-            first = await stream.__anext__()
-        except EvinfraError:
-            raise  # nothing sent yet: an ordinary error response
+        # An error before the first output leaves as an ordinary error response.
+        first = await stream.__anext__()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         out, blocks = sample.out, _Blocks()

@@ -288,10 +288,8 @@ class OpenAIRoutes:
                 finish = out.finish(finish)
             yield chunk(i, None if chat else "", finish, ids=rest)
 
-        try:
-            first = await streams[0].__anext__()
-        except EvinfraError:
-            raise  # nothing sent yet: an ordinary error response
+        # An error before the first output leaves as an ordinary error response.
+        first = await streams[0].__anext__()
 
         async def events():
             """The stream after the headers: the choices' chunks, the usage, [DONE]."""

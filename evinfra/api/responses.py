@@ -372,10 +372,8 @@ class _Answer:
         return web.json_response(self.response("completed", items.finish(), finish))
 
     async def write_stream(self, request: web.Request, stream) -> web.StreamResponse:
-        try:
-            first = await stream.__anext__()
-        except EvinfraError:
-            raise  # nothing sent yet: an ordinary error response
+        # An error before the first output leaves as an ordinary error response.
+        first = await stream.__anext__()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         out, items = self.sample.out, _Items()

@@ -27,10 +27,10 @@ async def test_choices_whole(client, service):
     r = await openai_client(client).completions.create(
         model="evinfra-fake", prompt=PROMPT, n=3, max_tokens=40, seed=7,
         extra_headers={"X-Evinfra-Branch-Id": "agent-1"},
-        extra_body={"return_token_ids": True})
+        extra_body={"return_token_ids": True, "ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1, 2]
     ids = [c.model_extra["token_ids"] for c in r.choices]
-    assert len({tuple(i) for i in ids}) == 3  # three samples, not one thrice
+    assert len({tuple(i) for i in ids}) == 3  # three samples of 40, not one thrice
     assert r.usage.prompt_tokens == len(PROMPT)  # the prompt counts once
     assert r.usage.completion_tokens == sum(map(len, ids))
     # Choice 0 on the request's branch; the others forks of it, each a branch of one, with
@@ -45,7 +45,8 @@ async def test_choices_whole(client, service):
 async def test_choices_streamed(client, service):
     stream = await openai_client(client).chat.completions.create(
         model="evinfra-fake", messages=[{"role": "user", "content": PROMPT}], n=3,
-        max_tokens=30, stream=True, stream_options={"include_usage": True})
+        max_tokens=30, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
     text, roles, finish, usage = {}, {}, {}, None
     async for chunk in stream:
         if chunk.usage is not None:

@@ -74,7 +74,7 @@ def error_response(exc: BaseException, write=_error) -> web.Response:
         return write(503, exc.message, "service_unavailable", code="no_node")
     if isinstance(exc, EngineError):
         return write(504 if exc.timeout else 502, exc.message,
-                      "timeout" if exc.timeout else "engine_error", code=exc.node)
+                     "timeout" if exc.timeout else "engine_error", code=exc.node)
     if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
         msg = str(exc)
         param = None
@@ -99,14 +99,14 @@ async def _errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         return write(exc.status, exc.reason if exc.status != 413 else
-                      f"request body too large (limit {request.app[_MAX_BODY]} bytes)",
-                      "invalid_request_error")
+                     f"request body too large (limit {request.app[_MAX_BODY]} bytes)",
+                     "invalid_request_error")
     except (EvinfraError, msgspec.ValidationError, msgspec.DecodeError) as exc:
         return error_response(exc, write)
     except RequestPayloadError as exc:  # a body that does not decompress, or cut short
         cause = exc.__cause__ or exc
         return write(400, f"could not read the request body: {type(cause).__name__}",
-                      "invalid_request_error")
+                     "invalid_request_error")
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 - one request must not take the server down

@@ -278,9 +278,8 @@ class AnthropicRoutes:
             if body.stream:
                 return await self._stream(request, sample, stream, int(tokens.size))
             return await self._whole(sample, stream, int(tokens.size))
-        except BaseException:
-            self.service.abort(mid)  # the client went away
-            raise
+        finally:
+            self.service.abort(mid)  # if the client went away (a finished request is gone)
 
     def _message(self, sample: Sample, content: list[dict], stop_reason: str | None,
                  usage: dict) -> dict:
@@ -352,5 +351,5 @@ class AnthropicRoutes:
                 await resp.write(data)
             await resp.write_eof()
         except ConnectionResetError:
-            self.service.abort(sample.rid)
+            pass  # the client went away: no traceback; messages() stops the request
         return resp

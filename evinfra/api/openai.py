@@ -320,10 +320,9 @@ class OpenAIRoutes:
                     await resp.write(data)
             await resp.write_eof()
         except ConnectionResetError:
-            # The client went away mid-stream, an everyday event: stop the requests and end
-            # the handler without raising (aiohttp would log a traceback per disconnect).
-            for s in samples:
-                self.service.abort(s.rid)
+            # The client went away mid-stream, an everyday event: end the handler without
+            # raising (aiohttp would log a traceback per disconnect); _serve stops the choices.
+            pass
         return resp
 
 

@@ -323,9 +323,8 @@ class ResponsesRoutes:
             if body.stream:
                 return await answer.write_stream(request, stream)
             return await answer.write_whole(stream)
-        except BaseException:
-            self.service.abort(rid)  # the client went away
-            raise
+        finally:
+            self.service.abort(rid)  # if the client went away (a finished request is gone)
 
 
 class _Answer:
@@ -334,7 +333,6 @@ class _Answer:
     def __init__(self, routes: ResponsesRoutes, body: ResponsesRequest, sample: Sample,
                  prompt: int) -> None:
         self.tok = routes.tok
-        self.service = routes.service
         self.sample = sample
         self.prompt = prompt
         self.head = {
@@ -401,8 +399,7 @@ class _Answer:
             await self._flush(resp, items)
             await resp.write_eof()
         except ConnectionResetError:
-            # The client went away mid-stream: stop the request, end without a traceback.
-            self.service.abort(self.sample.rid)
+            pass  # the client went away: no traceback; responses() stops the request
         return resp
 
     @staticmethod

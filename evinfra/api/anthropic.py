@@ -27,7 +27,7 @@ from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, TopP, decode_body
 from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for,
-                                 stop_strings, submit_one, whole)
+                                 sse_event, stop_strings, submit_one, whole)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -192,10 +192,6 @@ def _tool_use_id() -> str:
     return f"toolu_{uuid.uuid4().hex[:24]}"
 
 
-def _sse(event: dict) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
-
-
 class _Blocks:
     """The content blocks of a streamed answer: a thinking or text block stays open while
     its kind goes on; a tool use is a block of its own (its input in one delta)."""
@@ -216,15 +212,15 @@ class _Blocks:
                     self.open = kind
                 delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" \
                     else {"type": "text_delta", "text": piece}
-                out.append(_sse({"type": "content_block_delta", "index": self.index,
-                                 "delta": delta}))
+                out.append(sse_event({"type": "content_block_delta", "index": self.index,
+                                      "delta": delta}))
         for c in calls:
             out += self.close()
             out.append(self._start({"type": "tool_use", "id": c.id, "name": c.name,
                                     "input": {}}))
-            out.append(_sse({"type": "content_block_delta", "index": self.index,
-                             "delta": {"type": "input_json_delta",
-                                       "partial_json": c.arguments}}))
+            out.append(sse_event({"type": "content_block_delta", "index": self.index,
+                                  "delta": {"type": "input_json_delta",
+                                            "partial_json": c.arguments}}))
             self.open = "tool_use"
             out += self.close()
         return out
@@ -234,10 +230,11 @@ class _Blocks:
             return []
         self.open = None
         self.index += 1
-        return [_sse({"type": "content_block_stop", "index": self.index - 1})]
+        return [sse_event({"type": "content_block_stop", "index": self.index - 1})]
 
     def _start(self, block: dict) -> bytes:
-        return _sse({"type": "content_block_start", "index": self.index, "content_block": block})
+        return sse_event({"type": "content_block_start", "index": self.index,
+                          "content_block": block})
 
 
 class AnthropicRoutes:
@@ -321,7 +318,7 @@ class AnthropicRoutes:
         out, blocks = sample.out, _Blocks()
 
         async def events():
-            yield _sse({"type": "message_start", "message": self._message(
+            yield sse_event({"type": "message_start", "message": self._message(
                 sample, [], None, {"input_tokens": prompt, "output_tokens": 0})})
             item = first
             try:
@@ -335,15 +332,15 @@ class AnthropicRoutes:
                         yield data
                 for data in blocks.close():
                     yield data
-                yield _sse({"type": "message_delta",
-                            "delta": {"stop_reason": self._stop_reason(sample, item[1]),
-                                      "stop_sequence": sample.stop},
-                            "usage": self._usage(sample, prompt)})
-                yield _sse({"type": "message_stop"})
+                yield sse_event({"type": "message_delta",
+                                 "delta": {"stop_reason": self._stop_reason(sample, item[1]),
+                                           "stop_sequence": sample.stop},
+                                 "usage": self._usage(sample, prompt)})
+                yield sse_event({"type": "message_stop"})
             except EvinfraError as exc:
                 # Headers are out: report the error in the stream, as Anthropic does.
-                yield _sse({"type": "error", "error": {"type": "api_error",
-                                                       "message": exc.message}})
+                yield sse_event({"type": "error", "error": {"type": "api_error",
+                                                            "message": exc.message}})
 
         await resp.prepare(request)
         try:

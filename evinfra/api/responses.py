@@ -25,9 +25,9 @@ import msgspec
 from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
-from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, submit_one,
-                                 whole)
-from evinfra.api.tokenizer import Tokenizer
+from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, sse_event,
+                                 submit_one, whole)
+from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
@@ -131,16 +131,6 @@ def _text(content: str | list[Part], param: str) -> str:
     return "".join(p.text for p in content)
 
 
-def _arguments(item: FunctionCallItem, param: str) -> dict:
-    try:
-        args = msgspec.json.decode(item.arguments or "{}")
-    except msgspec.DecodeError:
-        args = None
-    if not isinstance(args, dict):
-        raise RequestError("arguments must be a JSON object", param=param)
-    return args
-
-
 def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
     """The request as the chat template's messages: consecutive function calls are one
     assistant turn's ``tool_calls``."""
@@ -160,7 +150,8 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
         elif type(it) is FunctionCallItem:
             call = {"id": it.call_id, "type": "function",
                     "function": {"name": it.name,
-                                 "arguments": _arguments(it, f"input[{i}].arguments")}}
+                                 "arguments": call_arguments({"arguments": it.arguments},
+                                                             f"input[{i}].arguments")}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # type: ignore[union-attr]
@@ -405,6 +396,5 @@ class _Answer:
     @staticmethod
     async def _flush(resp: web.StreamResponse, items: _Items) -> None:
         if items.events:
-            await resp.write(b"".join(b"event: " + e["type"].encode() + b"\ndata: "
-                                      + msgspec.json.encode(e) + b"\n\n" for e in items.events))
+            await resp.write(b"".join(map(sse_event, items.events)))
             items.events.clear()

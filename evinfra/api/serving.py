@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable, Sequence
 
+import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -30,7 +31,8 @@ from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
 
 __all__ = ["Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader", "check_model",
-           "max_tokens_for", "outputs", "read_hints", "stop_strings", "submit_one", "whole"]
+           "max_tokens_for", "outputs", "read_hints", "sse_event", "stop_strings", "submit_one",
+           "whole"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -109,6 +111,12 @@ def max_tokens_for(model: ModelConfig, tokens: np.ndarray, max_tokens: int | Non
             f"tokens; the prompt has {tokens.size} and max_tokens asks for {max_tokens}",
             param="max_tokens", code="context_length_exceeded")
     return max_tokens
+
+
+def sse_event(event: dict) -> bytes:
+    """A server-sent event named by its ``type``, as Anthropic's and the Responses API's
+    streams write them."""
+    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

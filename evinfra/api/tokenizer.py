@@ -68,13 +68,13 @@ def _arguments(messages: list[Message]) -> list[Message]:
                 raise RequestError("tool_calls must be a list of {id, type, function}",
                                    param=param)
             m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments":
-                                                        _object(c["function"], param)}}
+                                                        call_arguments(c["function"], param)}}
                                      for c in calls]}
         out.append({**m, "content": message_text(m)})
     return out
 
 
-def _object(function: dict, param: str) -> dict:
+def call_arguments(function: dict, param: str) -> dict:
     """A call's ``arguments`` as an object: a JSON object, or a string of one."""
     args = function.get("arguments", "{}")
     if isinstance(args, str):

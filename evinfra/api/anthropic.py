@@ -26,8 +26,8 @@ import msgspec
 from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, TopP, decode_body
-from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for,
-                                 sse_event, stop_strings, submit_one, whole)
+from evinfra.api.serving import (NO_IMAGES, Sample, chat_reader, check_model, joined_text,
+                                 max_tokens_for, sse_event, stop_strings, submit_one, whole)
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -37,7 +37,6 @@ from evinfra.service import Service
 __all__ = ["AnthropicRoutes", "CountTokensRequest", "MessagesRequest"]
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
-_NO_IMAGES = "image blocks are not served: the model reads text"
 
 
 class Tool(msgspec.Struct, frozen=True):
@@ -114,16 +113,6 @@ class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
     evinfra: AgentHints | None = None
 
 
-def _text(blocks: str | list[TextBlock | ImageBlock], param: str) -> str:
-    """Text blocks as one text (a newline between blocks, as SGLang joins them)."""
-    if isinstance(blocks, str):
-        return blocks
-    for j, b in enumerate(blocks):
-        if type(b) is ImageBlock:
-            raise RequestError(_NO_IMAGES, param=f"{param}[{j}]")
-    return "\n".join(b.text for b in blocks)
-
-
 def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
     """The request as the chat template's messages: an assistant's tool uses are its
     ``tool_calls``, a user's tool results ``tool`` messages before the user's text."""
@@ -131,7 +120,7 @@ def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
         raise RequestError("messages must not be empty", param="messages")
     out: list[dict[str, object]] = []
     if body.system:
-        out.append({"role": "system", "content": _text(body.system, "system")})
+        out.append({"role": "system", "content": joined_text(body.system, "system", "\n")})
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
@@ -144,13 +133,13 @@ def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
                 calls.append({"id": b.id, "type": "function",
                               "function": {"name": b.name, "arguments": b.input}})
             elif type(b) is ToolResultBlock and m.role == "user":
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": _text(b.content, f"messages[{i}].content[{j}].content")})
+                content = joined_text(b.content, f"messages[{i}].content[{j}].content", "\n")
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
                 results += 1
             elif type(b) is ThinkingBlock and m.role == "assistant":
                 thinking.append(b.thinking)
             elif type(b) is ImageBlock:
-                raise RequestError(_NO_IMAGES, param=f"messages[{i}].content[{j}]")
+                raise RequestError(NO_IMAGES, param=f"messages[{i}].content[{j}]")
             else:
                 raise RequestError(f"a {m.role} message cannot hold a "
                                    f"{b.__struct_config__.tag!r} block (tool_use and thinking "

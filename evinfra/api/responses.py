@@ -25,8 +25,8 @@ import msgspec
 from aiohttp import web
 
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
-from evinfra.api.serving import (Sample, chat_reader, check_model, max_tokens_for, sse_event,
-                                 submit_one, whole)
+from evinfra.api.serving import (Sample, chat_reader, check_model, joined_text, max_tokens_for,
+                                 sse_event, submit_one, whole)
 from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -34,9 +34,6 @@ from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service
 
 __all__ = ["ResponsesRequest", "ResponsesRoutes"]
-
-_NO_IMAGES = "images are not served: the model reads text"
-
 
 class InputText(msgspec.Struct, frozen=True, tag="input_text", tag_field="type"):
     text: str
@@ -122,15 +119,6 @@ def _item(i: int, raw: object) -> Item:
         raise RequestError(f"invalid input item: {msg}", param=f"input[{i}]{where.rstrip('`')}")
 
 
-def _text(content: str | list[Part], param: str) -> str:
-    if isinstance(content, str):
-        return content
-    for j, p in enumerate(content):
-        if type(p) is InputImage:
-            raise RequestError(_NO_IMAGES, param=f"{param}[{j}]")
-    return "".join(p.text for p in content)
-
-
 def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
     """The request as the chat template's messages: consecutive function calls are one
     assistant turn's ``tool_calls``."""
@@ -146,7 +134,7 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
         it = _item(i, raw)
         if type(it) is MessageItem:
             out.append({"role": "system" if it.role == "developer" else it.role,
-                        "content": _text(it.content, f"input[{i}].content")})
+                        "content": joined_text(it.content, f"input[{i}].content", "")})
         elif type(it) is FunctionCallItem:
             call = {"id": it.call_id, "type": "function",
                     "function": {"name": it.name,
@@ -159,7 +147,7 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif type(it) is FunctionCallOutputItem:
             out.append({"role": "tool", "tool_call_id": it.call_id,
-                        "content": _text(it.output, f"input[{i}].output")})
+                        "content": joined_text(it.output, f"input[{i}].output", "")})
     return out
 
 

@@ -30,9 +30,11 @@ from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
 
-__all__ = ["Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader", "check_model",
-           "max_tokens_for", "outputs", "read_hints", "sse_event", "stop_strings", "submit_one",
-           "whole"]
+__all__ = ["NO_IMAGES", "Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader",
+           "check_model", "joined_text", "max_tokens_for", "outputs", "read_hints", "sse_event",
+           "stop_strings", "submit_one", "whole"]
+
+NO_IMAGES = "images are not served: the model reads text"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -111,6 +113,17 @@ def max_tokens_for(model: ModelConfig, tokens: np.ndarray, max_tokens: int | Non
             f"tokens; the prompt has {tokens.size} and max_tokens asks for {max_tokens}",
             param="max_tokens", code="context_length_exceeded")
     return max_tokens
+
+
+def joined_text(content: str | Sequence[object], param: str, sep: str) -> str:
+    """A message's content as one text: a string, or its text parts joined by ``sep``. A
+    part without text (an image: the model reads text) is refused."""
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if not isinstance(getattr(part, "text", None), str):
+            raise RequestError(NO_IMAGES, param=f"{param}[{j}]")
+    return sep.join(part.text for part in content)  # type: ignore[attr-defined]
 
 
 def sse_event(event: dict) -> bytes:

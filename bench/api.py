@@ -66,7 +66,7 @@ class _Done:
     def __init__(self, fut: asyncio.Future) -> None:
         self.fut = fut
 
-    def tokens(self, tokens) -> None:
+    def tokens(self, tokens, logprobs) -> None:
         pass
 
     def done(self, record, error) -> None:

@@ -33,7 +33,7 @@ from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
 from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeState, PhaseSwitched,
                                  PrefillDone, PrefillStarted, RequestDone, RequestFailed,
-                                 SplitChanged, TokensOut, Withdrawn)
+                                 SplitChanged, TokenLogprobs, TokensOut, Withdrawn)
 from evinfra.core.types import BranchId, NodeId, Phase, RequestId
 from evinfra.directory import Directory
 from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
@@ -49,8 +49,9 @@ log = structlog.get_logger(__name__)
 class RequestSink(Protocol):
     """Where a request's output goes (an HTTP response, a simulated agent)."""
 
-    def tokens(self, tokens: Sequence[int]) -> None:
-        """New output tokens (a list or a uint32 numpy array, read only)."""
+    def tokens(self, tokens: Sequence[int], logprobs: TokenLogprobs | None) -> None:
+        """New output tokens (a list or a uint32 numpy array, read only) and their
+        log-probabilities if the request asked for them."""
 
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:
         """The request is over: finished (``error`` None, ``record.finish`` set) or failed."""
@@ -363,7 +364,7 @@ class Service:
                 self._check_drains()
         f.out += len(ev.tokens)
         if len(ev.tokens):
-            f.sink.tokens(ev.tokens)
+            f.sink.tokens(ev.tokens, ev.logprobs)
         if ev.finish is not None:
             f.finish = ev.finish
             self._close(f, "ok", None)

@@ -4,6 +4,7 @@ The handler validates the body, applies the chat template and tokenizes, and ser
 request as ``serving.py`` does for every dialect (hints, submission, output text, chat
 reading); this module writes OpenAI's answers and chunks. ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the input tokens whose KV the request reused.
+Log-probabilities (``logprobs.py``) come in each chunk for its tokens.
 ``n`` choices are ``n`` requests at the service: choice 0 and forks of its branch.
 """
 
@@ -18,6 +19,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from evinfra.api.logprobs import LogprobReader, top_logprobs
 from evinfra.api.schemas import (UNSERVED_MESSAGES, ChatCompletionRequest, CompletionRequest,
                                  decode_body)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
@@ -124,7 +126,7 @@ class OpenAIRoutes:
         return await self._serve(request, body, tokens, body.max_tokens, chat=False)
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
-               max_tokens: int | None) -> Sampling:
+               max_tokens: int | None, chat: bool) -> Sampling:
         check_model(self.model, body.model)
         if body.top_k == 0 or body.top_k < -1:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
@@ -132,7 +134,8 @@ class OpenAIRoutes:
         stop_ids = list(self.tok.eos_token_ids)
         return Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos, stop_ids,
                         body.seed, body.top_k, body.min_p, body.frequency_penalty,
-                        body.presence_penalty, body.repetition_penalty)
+                        body.presence_penalty, body.repetition_penalty,
+                        _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs"))
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool,
@@ -144,10 +147,12 @@ class OpenAIRoutes:
         keeps), sent when choice 0's first token arrives: its prefill is done then, so the
         router finds the prompt's KV in the directory and the forks reuse it, where sending
         all at once would prefill the prompt ``n`` times."""
-        sampling = self._check(body, tokens, max_tokens)
+        sampling = self._check(body, tokens, max_tokens, chat)
         hints = read_hints(request, body.evinfra)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        samples = [Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None)
+        k = sampling.logprobs
+        samples = [Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None,
+                          LogprobReader(self.tok, k) if k is not None else None)
                    for i in range(body.n)]
         self.service.submit(Submission(tokens, sampling, hints.branch_id,
                                        hints.parent_branch_id, hints.final, rid),
@@ -215,9 +220,10 @@ class OpenAIRoutes:
             finish = out.finish(finish)
         message["content"] = content
         i = sample.index
+        logprobs = _logprobs_of(sample.logprobs, sample.ids, chat)
         choice = ({"index": i, "message": message, "finish_reason": finish,
-                   "logprobs": None} if chat else
-                  {"index": i, "text": content, "finish_reason": finish, "logprobs": None})
+                   "logprobs": logprobs} if chat else
+                  {"index": i, "text": content, "finish_reason": finish, "logprobs": logprobs})
         if body.return_token_ids:
             choice["token_ids"] = sample.ids
         return choice
@@ -233,9 +239,11 @@ class OpenAIRoutes:
         def sse(obj: dict) -> bytes:
             return b"data: " + enc(obj) + b"\n\n"
 
-        def chunk(index: int, delta: str | None, finish: str | None, role: bool = False,
+        def chunk(sample: Sample, delta: str | None, finish: str | None, role: bool = False,
                   ids: list[int] | None = None, calls: list[dict] | None = None,
                   reasoning: str = "") -> bytes:
+            index = sample.index
+            logprobs = _logprobs_of(sample.logprobs, ids, chat) if ids is not None else None
             if chat:
                 d: dict = {}
                 if role:
@@ -246,10 +254,11 @@ class OpenAIRoutes:
                     d["content"] = delta
                 if calls:
                     d["tool_calls"] = calls
-                choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice = {"index": index, "delta": d, "finish_reason": finish,
+                          "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": delta or "", "finish_reason": finish,
-                          "logprobs": None}
+                          "logprobs": logprobs}
             if body.return_token_ids and ids is not None:
                 choice["token_ids"] = ids
             return sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
@@ -257,28 +266,29 @@ class OpenAIRoutes:
 
         async def choice_events(sample: Sample, stream, item):
             """One choice's chunks, from its first output ``item`` to its finish."""
-            i, out = sample.index, sample.out
+            out, lp = sample.out, sample.logprobs
             n_calls = 0
 
             def read(reasoning: str, delta: str, calls: list[ToolCall],
                      ids: list[int] | None = None) -> bytes:
-                """A chunk of what the reader lets out (maybe only the token ids: the parsers
-                hold a tag's text until they know what it is, a call's until it is whole)."""
+                """A chunk of what the reader lets out (maybe only the token ids or their
+                log-probabilities: the parsers hold a tag's text until they know what it is,
+                a call's until it is whole)."""
                 nonlocal n_calls
                 wire = [c.wire(n_calls + k) for k, c in enumerate(calls)]
                 n_calls += len(calls)
-                if not (reasoning or delta or wire or (body.return_token_ids and ids)):
+                if not (reasoning or delta or wire or ids and (body.return_token_ids or lp)):
                     return b""
-                return chunk(i, delta if delta or not (wire or reasoning) else None, None,
+                return chunk(sample, delta if delta or not (wire or reasoning) else None, None,
                              ids=ids, calls=wire, reasoning=reasoning)
 
             if chat:
-                yield chunk(i, "", None, role=True)
+                yield chunk(sample, "", None, role=True)
             if item is None:
                 item = await stream.__anext__()
             while item[0] == "text":
                 if out is None:
-                    yield chunk(i, item[1], None, ids=item[2])
+                    yield chunk(sample, item[1], None, ids=item[2])
                 else:
                     yield read(*out.feed(item[1]), item[2])
                 item = await stream.__anext__()
@@ -286,7 +296,7 @@ class OpenAIRoutes:
             if out is not None:
                 yield read(*out.end())
                 finish = out.finish(finish)
-            yield chunk(i, None if chat else "", finish, ids=rest)
+            yield chunk(sample, None if chat else "", finish, ids=rest)
 
         # An error before the first output leaves as an ordinary error response.
         first = await streams[0].__anext__()
@@ -324,6 +334,26 @@ class OpenAIRoutes:
             # raising (aiohttp would log a traceback per disconnect); _serve stops the choices.
             pass
         return resp
+
+
+def _logprobs(body: ChatCompletionRequest) -> int | None:
+    """A chat request's ``Sampling.logprobs``: ``top_logprobs`` alternatives, if
+    ``logprobs``."""
+    k = top_logprobs(body.top_logprobs, "top_logprobs")
+    if not body.logprobs:
+        if k:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return k or 0
+
+
+def _logprobs_of(reader: LogprobReader | None, ids: list[int], chat: bool) -> dict | None:
+    """A choice's ``logprobs`` for its next tokens ``ids`` (None: not asked for)."""
+    if reader is None:
+        return None
+    if chat:
+        return {"content": reader.entries(ids), "refusal": None}
+    return reader.completion(ids)
 
 
 _END = object()

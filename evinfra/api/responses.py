@@ -9,24 +9,29 @@ chat template. The answer is output items (``reasoning``, a ``message`` with its
 ``output_text``, ``function_call``), whole or as the API's stream of events, with ``usage``'s
 ``input_tokens_details.cached_tokens`` the prompt tokens whose KV was reused.
 
+Log-probabilities (``include: ["message.output_text.logprobs"]`` or ``top_logprobs``) come
+with the message's text: each text delta carries the entries of the tokens read since the
+last one, and the tokens whose text went to reasoning or a function call have none.
+
 Nothing is stored, so ``previous_response_id`` is refused (clients send the whole input, as
-Codex does with ``store: false``); ``store``, ``include``, ``reasoning`` and the other
-settings that do not change the answer are accepted and ignored. Refused with a 400: images,
-tool types other than ``function``, a forced ``tool_choice``, a JSON ``text.format``.
+Codex does with ``store: false``); ``store``, ``reasoning`` and the other settings that do
+not change the answer are accepted and ignored. Refused with a 400: images, tool types other
+than ``function``, a forced ``tool_choice``, a JSON ``text.format``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Awaitable, Callable, Literal
 
 import msgspec
 from aiohttp import web
 
+from evinfra.api.logprobs import top_logprobs
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
 from evinfra.api.serving import (Sample, chat_reader, check_model, joined_text, max_tokens_for,
-                                 sse_event, submit_one, whole)
+                                 sse_event, submit_one)
 from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -34,6 +39,8 @@ from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service
 
 __all__ = ["ResponsesRequest", "ResponsesRoutes"]
+
+LOGPROBS = "message.output_text.logprobs"
 
 class InputText(msgspec.Struct, frozen=True, tag="input_text", tag_field="type"):
     text: str
@@ -105,7 +112,16 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     previous_response_id: str | None = None
     text: TextConfig | None = None
     top_logprobs: int | None = None
+    include: list[str] | None = None
     evinfra: AgentHints | None = None
+
+    def logprobs(self) -> int | None:
+        """``Sampling.logprobs``: alternatives per token, if the text's logprobs are
+        asked for."""
+        k = top_logprobs(self.top_logprobs, "top_logprobs")
+        if k or LOGPROBS in (self.include or ()):
+            return k or 0
+        return None
 
 
 def _item(i: int, raw: object) -> Item:
@@ -186,23 +202,29 @@ class _Items:
         self.open: dict | None = None
         self.parts: list[str] = []  # the open item's text (joined once: a += per delta is
         # quadratic on a long answer)
+        self.logprobs: list[dict] = []  # the open message's
 
     def emit(self, event: dict) -> None:
         event["sequence_number"] = self.seq
         self.seq += 1
         self.events.append(event)
 
-    def add(self, reasoning: str, text: str, calls: list[ToolCall]) -> None:
+    def add(self, reasoning: str, text: str, calls: list[ToolCall],
+            logprobs: list[dict] | None = None) -> None:
+        """Output pieces in order; ``logprobs`` are the entries of ``text``'s tokens."""
         for kind, piece in (("reasoning", reasoning), ("message", text)):
             if piece:
                 if self.open is None or self.open["type"] != kind:
                     self.close()
                     self._start(kind)
                 self.parts.append(piece)
-                self.emit({"type": "response.reasoning_text.delta" if kind == "reasoning"
-                           else "response.output_text.delta", "item_id": self.open["id"],
-                           "output_index": len(self.done), "content_index": 0, "delta": piece,
-                           "logprobs": []})
+                event = {"type": "response.reasoning_text.delta" if kind == "reasoning"
+                         else "response.output_text.delta", "item_id": self.open["id"],
+                         "output_index": len(self.done), "content_index": 0, "delta": piece}
+                if kind == "message":
+                    event["logprobs"] = logprobs or []
+                    self.logprobs += logprobs or []
+                self.emit(event)
         for c in calls:
             self.close()
             item = {"type": "function_call", "id": _new_id("fc"), "call_id": c.id,
@@ -230,7 +252,8 @@ class _Items:
     def _start(self, kind: str) -> None:
         self.open = {"type": kind, "id": _new_id("rs" if kind == "reasoning" else "msg")}
         self.parts = []
-        part = _part(kind, "")
+        self.logprobs = []
+        part = _part(kind, "", [])
         self.emit({"type": "response.output_item.added", "output_index": len(self.done),
                    "item": _item_of(self.open, None, "in_progress")})
         self.emit({"type": "response.content_part.added", "item_id": self.open["id"],
@@ -239,27 +262,29 @@ class _Items:
     def close(self) -> None:
         if self.open is None:
             return
-        kind, text = self.open["type"], "".join(self.parts)
+        kind, text, lp = self.open["type"], "".join(self.parts), self.logprobs
         at = {"item_id": self.open["id"], "output_index": len(self.done), "content_index": 0}
-        self.emit({"type": "response.reasoning_text.done" if kind == "reasoning"
-                   else "response.output_text.done", **at, "text": text, "logprobs": []})
-        self.emit({"type": "response.content_part.done", **at, "part": _part(kind, text)})
-        item = _item_of(self.open, text, "completed")
+        if kind == "reasoning":
+            self.emit({"type": "response.reasoning_text.done", **at, "text": text})
+        else:
+            self.emit({"type": "response.output_text.done", **at, "text": text, "logprobs": lp})
+        self.emit({"type": "response.content_part.done", **at, "part": _part(kind, text, lp)})
+        item = _item_of(self.open, text, "completed", lp)
         self.emit({"type": "response.output_item.done", "output_index": len(self.done),
                    "item": item})
         self.done.append(item)
         self.open = None
 
 
-def _part(kind: str, text: str) -> dict:
+def _part(kind: str, text: str, logprobs: list[dict]) -> dict:
     if kind == "reasoning":
         return {"type": "reasoning_text", "text": text}
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def _item_of(head: dict, text: str | None, status: str) -> dict:
+def _item_of(head: dict, text: str | None, status: str, logprobs: list[dict] = ()) -> dict:
     """A reasoning or message item with its one part (none while it is being added)."""
-    content = [] if text is None else [_part(head["type"], text)]
+    content = [] if text is None else [_part(head["type"], text, list(logprobs))]
     if head["type"] == "reasoning":
         return {"type": "reasoning", "id": head["id"], "summary": [], "content": content}
     return {"type": "message", "id": head["id"], "status": status, "role": "assistant",
@@ -285,15 +310,14 @@ class ResponsesRoutes:
             raise RequestError("text.format must be 'text': JSON output needs constrained "
                                "decoding, which this server does not serve",
                                param="text.format")
-        if body.top_logprobs:
-            raise RequestError("top_logprobs are not served", param="top_logprobs")
         tools = _tools(body)
         prompt = self.tok.apply_chat_template(_chat_messages(body), tools)
         reader = chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id)
         tokens = self.tok.encode(prompt)
         sampling = Sampling(max_tokens_for(self.model, tokens, body.max_output_tokens),
                             body.temperature, body.top_p,
-                            stop_token_ids=list(self.tok.eos_token_ids))
+                            stop_token_ids=list(self.tok.eos_token_ids),
+                            logprobs=body.logprobs())
         rid = _new_id("resp")
         sample, stream = submit_one(self.service, self.tok, request, body.evinfra, tokens,
                                     sampling, rid, reader, [])
@@ -342,10 +366,34 @@ class _Answer:
                 "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": self.prompt + len(s.ids)}
 
+    async def _read(self, items: _Items, stream, item: tuple | None = None,
+                    flush: Callable[[], Awaitable[None]] | None = None) -> str:
+        """Read the output into ``items`` (from ``item``, the first, if read already;
+        ``flush`` after each piece); return the finish. Log-probability entries wait for
+        the text their tokens make: the parsers may hold a tag's text for a while."""
+        out, lp = self.sample.out, self.sample.logprobs
+        pending: list[dict] = []
+        if item is None:
+            item = await stream.__anext__()
+        while True:
+            kind, text, ids = item
+            if lp is not None:
+                pending += lp.entries(ids)
+            done = kind == "done"
+            reasoning, content, calls = ((out.end() if done else out.feed(text))
+                                         if out is not None else ("", "" if done else text, []))
+            if reasoning or content or calls:
+                items.add(reasoning, content, calls, pending if content else None)
+                pending = []  # a reasoning's or a call's tokens have no entries
+            if done:
+                return text
+            if flush is not None:
+                await flush()
+            item = await stream.__anext__()
+
     async def write_whole(self, stream) -> web.Response:
-        reasoning, content, finish = await whole(self.sample, stream)
         items = _Items()
-        items.add(reasoning, content, self.sample.out.calls if self.sample.out else [])
+        finish = await self._read(items, stream)
         return web.json_response(self.response("completed", items.finish(), finish))
 
     async def write_stream(self, request: web.Request, stream) -> web.StreamResponse:
@@ -353,23 +401,15 @@ class _Answer:
         first = await stream.__anext__()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-        out, items = self.sample.out, _Items()
+        items = _Items()
         items.emit({"type": "response.created", "response": self.response("in_progress", [])})
         items.emit({"type": "response.in_progress", "response": self.response("in_progress", [])})
         await resp.prepare(request)
-        item = first
         try:
             try:
-                while item[0] == "text":
-                    if out is None:
-                        items.add("", item[1], [])
-                    else:
-                        items.add(*out.feed(item[1]))
-                    await self._flush(resp, items)
-                    item = await stream.__anext__()
-                if out is not None:
-                    items.add(*out.end())
-                final = self.response("completed", items.finish(), item[1])
+                finish = await self._read(items, stream, first,
+                                          lambda: self._flush(resp, items))
+                final = self.response("completed", items.finish(), finish)
                 items.emit({"type": f"response.{final['status']}", "response": final})
             except EvinfraError as exc:
                 # Headers are out: report the error in the stream, as OpenAI does.

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
-give (``logprobs``, ``echo``, ``best_of``, ``logit_bias``, a forced ``tool_choice``, a JSON
+give (``echo``, ``best_of``, ``logit_bias``, a forced ``tool_choice``, a JSON
 ``response_format``) are refused; wrong types and out-of-range values are 400s that name the
 field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
 """
@@ -121,16 +121,14 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     SGLang and vLLM accept them."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    """Not served, as ``top_logprobs`` (refused): a client asking for them would read an
-    answer without them as one that has them."""
+    """Each output token's log-probability in ``choices[].logprobs.content``."""
     top_logprobs: int | None = None
+    """With ``logprobs``: that many most likely tokens at each position (0-20)."""
 
     def unserved(self) -> list[str]:
         """The fields that ask for what this server does not give."""
         forced = self.tools and self.tool_choice not in (None, "none", "auto")
-        return [f for f, asked in (("logprobs", self.logprobs),
-                                   ("top_logprobs", self.top_logprobs),
-                                   ("logit_bias", self.logit_bias),
+        return [f for f, asked in (("logit_bias", self.logit_bias),
                                    ("tool_choice", forced),
                                    ("response_format", self.response_format is not None
                                     and self.response_format.type != "text")) if asked]
@@ -149,14 +147,16 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     union, so the list's items are checked by the handler)."""
     max_tokens: int | None = 16
     logprobs: int | None = None
-    """Not served, as ``echo`` and ``best_of`` > 1 (refused): a client asking for them
-    would read an answer without them as one that has them."""
+    """Each output token's log-probability, with that many most likely tokens at each
+    position (0-20), in ``choices[].logprobs``."""
     echo: bool = False
+    """Not served, as ``best_of`` > 1 (refused): a client asking for them would read an
+    answer without them as one that has them."""
     best_of: int | None = None
 
     def unserved(self) -> list[str]:
         """The fields that ask for what this server does not give."""
-        return [f for f, asked in (("logprobs", self.logprobs is not None), ("echo", self.echo),
+        return [f for f, asked in (("echo", self.echo),
                                    ("best_of", (self.best_of or 1) > 1),
                                    ("logit_bias", self.logit_bias)) if asked]
 

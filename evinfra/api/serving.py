@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from evinfra.api.logprobs import LogprobReader
 from evinfra.api.markers import partial_marker
 from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
 from evinfra.api.reasoning import ThinkSplit
@@ -25,7 +26,7 @@ from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
 from evinfra.api.tool_calls import TaggedCalls, ToolCall
 from evinfra.config import ModelConfig
-from evinfra.core.events import RequestDone
+from evinfra.core.events import RequestDone, TokenLogprobs
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
@@ -41,13 +42,17 @@ _FALSE = {"", "0", "false", "no", "off"}
 
 
 class Channel:
-    """A request's output as an asyncio queue (the service's RequestSink)."""
+    """A request's output as an asyncio queue (the service's RequestSink); its
+    log-probabilities go to ``logprobs`` (None: not asked for)."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: LogprobReader | None = None) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.logprobs = logprobs
 
-    def tokens(self, tokens) -> None:
+    def tokens(self, tokens, logprobs: TokenLogprobs | None) -> None:
         self.queue.put_nowait([int(t) for t in tokens])
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.add(logprobs)
 
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:
         self.queue.put_nowait((record, error))
@@ -195,16 +200,18 @@ def chat_reader(model: ModelConfig, prompt: str, tools: list[dict] | None, paral
 
 class Sample:
     """One of a request's ``n`` choices: its request at the service, the channel its output
-    comes on and how it is read; once it is done, its record, output token ids and the stop
-    string that ended it."""
+    comes on and how it is read (its text; its log-probabilities, if asked for); once it is
+    done, its record, output token ids and the stop string that ended it."""
 
-    __slots__ = ("index", "rid", "channel", "out", "record", "ids", "stop")
+    __slots__ = ("index", "rid", "channel", "out", "logprobs", "record", "ids", "stop")
 
-    def __init__(self, index: int, rid: str, out: ChatOutput | None) -> None:
+    def __init__(self, index: int, rid: str, out: ChatOutput | None,
+                 logprobs: LogprobReader | None = None) -> None:
         self.index = index
         self.rid = rid
-        self.channel = Channel()
+        self.channel = Channel(logprobs)
         self.out = out
+        self.logprobs = logprobs
         self.record: RequestDone | None = None
         self.ids: list[int] = []
         self.stop: str | None = None
@@ -272,7 +279,9 @@ def submit_one(service: Service, tok: Tokenizer, request: web.Request,
     """Submit a request of one choice with the agent hints of its headers and ``hints``
     (its body's); returns its :class:`Sample` and :func:`outputs`."""
     h = read_hints(request, hints)
-    sample = Sample(0, rid, reader() if reader else None)
+    k = sampling.logprobs
+    sample = Sample(0, rid, reader() if reader else None,
+                    LogprobReader(tok, k) if k is not None else None)
     service.submit(Submission(tokens, sampling, h.branch_id, h.parent_branch_id, h.final, rid),
                    sample.channel)
     return sample, outputs(service, tok, sample, stops)

@@ -237,17 +237,28 @@ class PrefillDone(msgspec.Struct, frozen=True, gc=False):
     computed: int
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, gc=False):
+    """Log-probabilities of a run of output tokens, one entry per token: the sampled token's,
+    and the most likely tokens at its position as ``(id, logprob)``, most likely first (empty
+    lists when none were asked for)."""
+
+    sampled: list[float]
+    top: list[list[tuple[int, float]]]
+
+
 class TokensOut(msgspec.Struct, frozen=True, gc=False):
     """New output tokens of ``request``; ``finish`` is None until the last batch.
 
     ``tokens`` is a list of ids or a uint32 numpy array (the fake engines hand out slices of
-    the output they planned, so a simulation never converts them)."""
+    the output they planned, so a simulation never converts them). ``logprobs`` are theirs
+    when the request asked for them (``Sampling.logprobs``), else None."""
 
     request: str
     node: str
     time: float
     tokens: Sequence[int]
     finish: str | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 class RequestFailed(msgspec.Struct, frozen=True, gc=False):

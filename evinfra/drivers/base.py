@@ -46,6 +46,9 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: each output token's, and the ``k`` most likely
+    tokens at its position (``TokensOut.logprobs``)."""
 
 
 class PrefillOrder(msgspec.Struct, frozen=True, gc=False):

@@ -45,7 +45,7 @@ class _Sink:
         self.parts: list = []
         self.done_cb = done_cb
 
-    def tokens(self, tokens) -> None:
+    def tokens(self, tokens, logprobs) -> None:
         self.parts.append(tokens)
 
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:

@@ -44,7 +44,7 @@ class Sink:
         self.record: RequestDone | None = None
         self.error = None
 
-    def tokens(self, toks) -> None:
+    def tokens(self, toks, logprobs) -> None:
         self.out.extend(int(t) for t in toks)
 
     def done(self, record: RequestDone, error) -> None:

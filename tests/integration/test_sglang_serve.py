@@ -138,6 +138,26 @@ def test_n_choices(client):
     assert r.choices[0].text == r.choices[1].text  # identical dummy weights, temperature 0
 
 
+def test_logprobs(client):
+    """The decode engine's log-probabilities, one per output token, whole and streamed; at
+    temperature 0 the sampled token is the most likely one."""
+    kw = dict(model=SERVED_NAME, messages=[{"role": "user", "content": "Count to five."}],
+              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = client.chat.completions.create(**kw).choices[0]
+    entries = c.logprobs.content
+    assert len(entries) == len(c.model_extra["token_ids"]) == 6
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **kw)
+                if chunk.choices and chunk.choices[0].logprobs
+                for e in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries],
+                                                          abs=1e-4)
+
+
 def test_anthropic_messages(serve):
     import anthropic
 

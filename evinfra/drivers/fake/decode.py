@@ -163,8 +163,7 @@ class DecodeSide:
             if len(d.out) == 1:
                 self._finish(d, now)
             else:
-                d.emitted = 1
-                self._out.append(TokensOut(d.request, self.node, now, d.out[:1]))
+                self._tokens(d, now, 1)
 
     def _launch_decode(self, now: float) -> None:
         run, batched = self._run, self.config.streaming == "batched"
@@ -215,8 +214,7 @@ class DecodeSide:
             if after >= n:
                 finished.append(d)
             elif stream and after > d.emitted:
-                self._out.append(TokensOut(d.request, self.node, now, d.out[d.emitted:after]))
-                d.emitted = after
+                self._tokens(d, now, after)
         self._out.append(IterationReport(self.node, run.start + run.done * run.d, run.d,
                                          batch=run.B, t_fwd=self.config.t_fwd,
                                          accepted=accepted, count=k))
@@ -243,9 +241,18 @@ class DecodeSide:
             c.insert(full, len(full), committed, now)
         c.unlock(d.path, d.locked, now)
         d.locked = d.reserved = 0
-        self._out.append(TokensOut(d.request, self.node, now, d.out[d.emitted:], d.finish))
+        self._tokens(d, now, len(d.out), d.finish)
         self.cluster.forget(d.request)
         self._room_freed()
+
+    def _tokens(self, d: DecodeRecord, now: float, upto: int, finish: str | None = None
+                ) -> None:
+        """Stream ``d``'s output up to token ``upto`` (with logprobs if it asked)."""
+        out = d.out[d.emitted:upto]
+        k = d.order.sampling.logprobs
+        lp = self.cluster.outputs.logprobs(out, k) if k is not None else None
+        self._out.append(TokensOut(d.request, self.node, now, out, finish, lp))
+        d.emitted = upto
 
     def _drop_decode(self, d: DecodeRecord) -> None:
         for queue in (self._prealloc, self._room_wait, self._ready, self._running):

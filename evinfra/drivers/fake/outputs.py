@@ -17,6 +17,7 @@ import hashlib
 
 import numpy as np
 
+from evinfra.core.events import TokenLogprobs
 from evinfra.drivers.base import Sampling
 
 __all__ = ["DecodeProgress", "OutputPlanner"]
@@ -34,6 +35,7 @@ class OutputPlanner:
 
     def __init__(self, seed: int, vocab: tuple[int, int]) -> None:
         self.seed = seed
+        self.vocab = vocab
         rng = np.random.default_rng([seed, 0x6F7574])
         self.pool = rng.integers(vocab[0], vocab[1], size=self.POOL, dtype=np.uint32)
 
@@ -58,6 +60,26 @@ class OutputPlanner:
             if hits.size:
                 tokens, finish = tokens[:hits[0] + 1], "stop"
         return tokens, finish
+
+    def logprobs(self, tokens: np.ndarray, k: int) -> TokenLogprobs:
+        """Log-probabilities of output ``tokens`` (a slice of a planned output) and, for
+        each, its ``k`` most likely tokens: deterministic in the token ids. The sampled
+        token has probability 0.4-0.99 and leads the top list; each next one is half as
+        likely as the one before, from what the sampled token leaves (so they sum below 1),
+        and is the next id in the vocabulary (as many as it has)."""
+        low, high = self.vocab
+        t = tokens.astype(np.int64)
+        p = 0.4 + 0.59 * ((t % 1000003 * 2654435761) % 1000) / 1000.0
+        sampled = np.log(p)
+        k = min(k, high - low)
+        if k == 0:
+            return TokenLogprobs(sampled.tolist(), [[] for _ in range(t.size)])
+        j = np.arange(1, k)
+        ids = np.concatenate([t[:, None], low + (t[:, None] - low + j) % (high - low)], axis=1)
+        lps = np.concatenate([sampled[:, None], np.log(1.0 - p)[:, None] - j * np.log(2.0)],
+                             axis=1)
+        return TokenLogprobs(sampled.tolist(), [list(zip(i, lp))
+                                                for i, lp in zip(ids.tolist(), lps.tolist())])
 
 
 class DecodeProgress:

@@ -68,10 +68,11 @@ class DecodeRecord:
     """A decode order: its output is fixed on arrival (``out``, ``finish``); ``iters`` decode
     iterations run so far, ``emitted`` tokens streamed."""
 
-    __slots__ = ("request", "source", "tokens", "path", "n_in", "out", "finish", "state",
-                 "locked", "reserved", "iters", "emitted", "timer")
+    __slots__ = ("order", "request", "source", "tokens", "path", "n_in", "out", "finish",
+                 "state", "locked", "reserved", "iters", "emitted", "timer")
 
     def __init__(self, order: DecodeOrder, page: int, out: list[int], finish: str) -> None:
+        self.order = order
         self.request = order.request
         self.source = order.source
         self.tokens: np.ndarray = as_tokens(order.tokens)

@@ -350,10 +350,11 @@ class SGLangDriver:
                                               status=fin.status_code))
                         return
                     tokens = cursor.new_tokens(item)
+                    logprobs = cursor.new_logprobs(item)
                     if fin is None:
                         if tokens:
                             self.bus.publish(TokensOut(f.request, self.node, self.clock.now(),
-                                                       tokens))
+                                                       tokens, logprobs=logprobs))
                         continue
                     # The last chunk: let the prefill half report first, so the request's
                     # record carries its cached tokens.
@@ -364,7 +365,7 @@ class SGLangDriver:
                     f.closed = True
                     self.bus.publish(TokensOut(f.request, self.node, self.clock.now(), tokens,
                                                finish="length" if fin.type == "length"
-                                               else "stop"))
+                                               else "stop", logprobs=logprobs))
                     return
                 self._fail(f, Failure("decode: the engine ended the stream without a finish",
                                       unreachable=True))

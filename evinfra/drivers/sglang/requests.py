@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from evinfra.core.events import TokenLogprobs
 from evinfra.drivers.base import Sampling
 
 __all__ = ["Bootstrap", "Chunk", "OutputCursor", "StreamError", "Finish", "generate_body",
@@ -78,6 +79,9 @@ def generate_body(tokens: Any, sampling: Sampling, rid: str, bootstrap: Bootstra
     }
     if priority is not None:
         body["priority"] = priority
+    if sampling.logprobs is not None:
+        body["return_logprob"] = True
+        body["top_logprobs_num"] = sampling.logprobs
     if kv_hints is not None:
         body["kv_hints"] = kv_hints
     return body
@@ -114,6 +118,11 @@ class MetaInfo(msgspec.Struct, frozen=True):
     """SGLang's split of ``cached_tokens`` by tier (with HiCache), plus the engine patch's
     ``evinfra_fetched`` / ``evinfra_restored`` (``engine_patch/wire.py``)."""
     e2e_latency: float | None = None
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    """With ``return_logprob``: ``(logprob, id, text)`` per output token, all so far (or,
+    with incremental streaming, the chunk's)."""
+    output_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    """With ``top_logprobs_num`` > 0: each position's alternatives, as the above."""
 
 
 class Chunk(msgspec.Struct, frozen=True):
@@ -155,10 +164,12 @@ def parse_sse_line(line: bytes) -> Chunk | StreamError | object | None:
 
 
 class OutputCursor:
-    """New output tokens of a stream, whether chunks repeat all tokens so far or not."""
+    """New output tokens of a stream, whether chunks repeat all tokens so far or not, and
+    their log-probabilities."""
 
     def __init__(self) -> None:
         self.sent = 0
+        self._new = 0
 
     def new_tokens(self, chunk: Chunk) -> list[int]:
         ids = chunk.output_ids
@@ -168,4 +179,19 @@ class OutputCursor:
         else:
             new = ids  # incremental chunk
         self.sent += len(new)
+        self._new = len(new)
         return list(new)
+
+    def new_logprobs(self, chunk: Chunk) -> TokenLogprobs | None:
+        """The log-probabilities of the tokens :meth:`new_tokens` just returned for
+        ``chunk``: the last entries of its lists in either streaming mode (None: it has
+        none)."""
+        meta = chunk.meta_info
+        entries = meta.output_token_logprobs
+        if entries is None:
+            return None
+        n = self._new
+        tops = meta.output_top_logprobs or []
+        tops = tops[len(tops) - n:] if n and tops else [None] * n
+        return TokenLogprobs([e[0] for e in entries[len(entries) - n:]] if n else [],
+                             [[(t[1], t[0]) for t in top or ()] for top in tops])

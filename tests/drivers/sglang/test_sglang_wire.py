@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from evinfra.core.events import TokenLogprobs
 from evinfra.core.types import Phase
 from evinfra.drivers.base import Sampling
 from evinfra.drivers.sglang.discovery import parse_engine_info
@@ -181,6 +182,41 @@ def test_stream_lines_and_cumulative_or_incremental_outputs():
     inc = OutputCursor()
     assert [inc.new_tokens(chunk(ids, n)) for ids, n in
             (([1], 1), ([2], 2), ([3, 4], 4))] == [[1], [2], [3, 4]]
+
+
+def test_logprobs_are_asked_for_and_read_in_either_streaming_mode():
+    s = Sampling(max_tokens=8, logprobs=2)
+    body = generate_body([1], s, "r", Bootstrap("h", 1, 2))
+    assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
+    assert "return_logprob" not in generate_body([1], Sampling(max_tokens=8), "r",
+                                                 Bootstrap("h", 1, 2))
+    # SGLang's entries are (logprob, id, text); a position without alternatives is null.
+    line = (b'data: {"output_ids":[7,9],"meta_info":{"completion_tokens":2,'
+            b'"output_token_logprobs":[[-0.5,7,null],[-1.25,9,null]],'
+            b'"output_top_logprobs":[[[-0.5,7,null],[-2.0,3,null]],null]}}')
+    c = parse_sse_line(line)
+    cur = OutputCursor()
+    assert cur.new_tokens(c) == [7, 9]
+    assert cur.new_logprobs(c) == TokenLogprobs([-0.5, -1.25], [[(7, -0.5), (3, -2.0)], []])
+
+    def chunk(ids, total, lps):
+        return Chunk(ids, MetaInfo(completion_tokens=total,
+                                   output_token_logprobs=[(lp, i, None) for lp, i in lps]))
+
+    cum, inc = OutputCursor(), OutputCursor()
+    got = []
+    for ids, n in (([1], 1), ([1, 2], 2), ([1, 2, 3, 4], 4)):
+        c = chunk(ids, n, [(-i / 10, i) for i in ids])
+        cum.new_tokens(c)
+        got.append(cum.new_logprobs(c).sampled)
+    assert got == [[-0.1], [-0.2], [-0.3, -0.4]]
+    got = []
+    for ids, n in (([1], 1), ([2], 2), ([3, 4], 4)):
+        c = chunk(ids, n, [(-i / 10, i) for i in ids])
+        inc.new_tokens(c)
+        got.append(inc.new_logprobs(c).sampled)
+    assert got == [[-0.1], [-0.2], [-0.3, -0.4]]
+    assert cum.new_logprobs(Chunk([], MetaInfo())) is None  # not asked for
 
 
 def test_errors_map_to_clear_messages():

@@ -1,0 +1,87 @@
+"""Output log-probabilities in OpenAI's shapes: what an RL trainer or an evaluator reads back.
+
+The engines report, per output token, the sampled token's log-probability and, when asked,
+its ``k`` most likely alternatives (``TokenLogprobs``); a choice's :class:`LogprobReader`
+turns the next tokens of its output into entries as its chunks go out. A token's text is the
+token decoded alone, its ``bytes`` that text's UTF-8 (a token that is part of a character
+reads as U+FFFD, as in vLLM). Every output token has an entry, whatever part of the answer
+its text went to (reasoning, content, a tool call), as in SGLang and vLLM: the entries line
+up with the output token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from evinfra.api.tokenizer import Tokenizer
+from evinfra.core.events import TokenLogprobs
+from evinfra.errors import RequestError
+
+__all__ = ["MAX_TOP", "LogprobReader", "top_logprobs"]
+
+MAX_TOP = 20
+"""Alternatives per token, at most (OpenAI's limit for chat)."""
+
+
+def top_logprobs(k: int | None, param: str) -> int | None:
+    """``k`` checked: None (not asked) or 0 to :data:`MAX_TOP`."""
+    if k is not None and not 0 <= k <= MAX_TOP:
+        raise RequestError(f"{param} must be between 0 and {MAX_TOP}", param=param)
+    return k
+
+
+class LogprobReader:
+    """Reads one choice's log-probabilities in output order, token by token."""
+
+    def __init__(self, tok: Tokenizer, k: int) -> None:
+        self.tok = tok
+        self.k = k
+        self.sampled: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self._at = 0  # entries given so far
+        self._offset = 0  # characters of text before the next token (completions)
+
+    def add(self, logprobs: TokenLogprobs) -> None:
+        """What the engine reported for the next output tokens."""
+        self.sampled.extend(logprobs.sampled)
+        self.top.extend(logprobs.top)
+
+    def _text(self, token: int) -> str:
+        return self.tok.decode([token])
+
+    def _take(self, ids: Sequence[int]) -> range:
+        span = range(self._at, self._at + len(ids))
+        if span.stop > len(self.sampled):
+            # An engine that reports fewer than it streams would misalign every later entry.
+            raise RequestError("the engine did not report the log-probabilities asked for",
+                               status=502)
+        self._at = span.stop
+        return span
+
+    def entries(self, ids: Sequence[int]) -> list[dict]:
+        """The next tokens' entries in the chat and Responses shape: ``token``, ``logprob``,
+        ``bytes`` and ``top_logprobs`` (each a ``token``, ``logprob``, ``bytes``)."""
+        out = []
+        for token, i in zip(ids, self._take(ids)):
+            text = self._text(token)
+            out.append({"token": text, "logprob": self.sampled[i],
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (t := self._text(alt)), "logprob": lp,
+                                          "bytes": list(t.encode())}
+                                         for alt, lp in self.top[i][:self.k]]})
+        return out
+
+    def completion(self, ids: Sequence[int]) -> dict:
+        """The next tokens in the completions shape: parallel lists of ``tokens``,
+        ``token_logprobs``, ``top_logprobs`` (text to log-probability) and ``text_offset``
+        (each token's first character in the choice's text)."""
+        tokens, sampled, top, offsets = [], [], [], []
+        for token, i in zip(ids, self._take(ids)):
+            text = self._text(token)
+            tokens.append(text)
+            sampled.append(self.sampled[i])
+            top.append({self._text(alt): lp for alt, lp in self.top[i][:self.k]})
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": sampled, "top_logprobs": top,
+                "text_offset": offsets}

@@ -192,6 +192,11 @@ class Service:
     def in_flight(self) -> int:
         return len(self._flights)
 
+    def constrains_output(self) -> bool:
+        """Every engine holds an output to a grammar (``Sampling.json_schema``): a request
+        may go to any of them."""
+        return all(d.constrains_output for d in self.drivers.values())
+
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, sub: Submission, sink: RequestSink) -> RequestId:

@@ -11,9 +11,11 @@ reasoning parser, ``text``, ``tool_use`` from the tool-call parser), whole or as
 stream of events. ``usage`` splits the prompt as Anthropic does: ``cache_read_input_tokens``
 reused from KV, ``input_tokens`` computed.
 
-Not served, refused with a 400: images (the model reads text), other block types, a forced
-``tool_choice`` (``any``, ``tool``: constrained decoding), Anthropic's own tool types
-(``bash_...``, ``web_search_...``: their schemas are Anthropic's).
+A forced ``tool_choice`` (``any``, ``tool``) holds the output to the calls' JSON schema
+(``constraints.py``), on engines that can.
+
+Not served, refused with a 400: images (the model reads text), other block types, Anthropic's
+own tool types (``bash_...``, ``web_search_...``: their schemas are Anthropic's).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Annotated, Literal
 import msgspec
 from aiohttp import web
 
+from evinfra.api.constraints import check_served, tools_schema
 from evinfra.api.schemas import AgentHints, TopP, decode_body
 from evinfra.api.serving import (NO_IMAGES, Sample, chat_reader, check_model, joined_text,
                                  max_tokens_for, sse_event, stop_strings, submit_one, whole)
@@ -158,9 +161,6 @@ def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
 def _tools(body: CountTokensRequest) -> list[dict] | None:
     """The tools as the chat template gets them (None: none, or ``tool_choice`` ``none``)."""
     choice = body.tool_choice
-    if choice is not None and choice.type in ("any", "tool"):
-        raise RequestError(f"{choice.type!r} forces a call, which needs constrained "
-                           "decoding: this server serves 'auto' and 'none'", param="tool_choice")
     if not body.tools or (choice is not None and choice.type == "none"):
         return None
     for i, t in enumerate(body.tools):
@@ -250,13 +250,24 @@ class AnthropicRoutes:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), MessagesRequest)
         prompt, tools = self._prompt(body)
-        parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
-        reader = chat_reader(self.model, prompt, tools, parallel, _tool_use_id)
+        choice = body.tool_choice
+        parallel = choice is None or not choice.disable_parallel_tool_use
+        schema = None
+        forced = bool(tools) and choice is not None and choice.type in ("any", "tool")
+        if forced:
+            if choice.type == "tool" and not choice.name:
+                raise RequestError("a tool_choice of type tool needs the tool's name",
+                                   param="tool_choice.name")
+            check_served(self.service.constrains_output(), "a forced tool_choice",
+                         "tool_choice")
+            schema = tools_schema(tools, choice.name if choice.type == "tool" else None,
+                                  parallel, "tool_choice")
+        reader = chat_reader(self.model, prompt, tools, parallel, _tool_use_id, forced)
         tokens = self.tok.encode(prompt)
         sampling = Sampling(max_tokens_for(self.model, tokens, body.max_tokens),
                             body.temperature, body.top_p,
                             stop_token_ids=list(self.tok.eos_token_ids),
-                            top_k=body.top_k or -1)
+                            top_k=body.top_k or -1, json_schema=schema)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         sample, stream = submit_one(self.service, self.tok, request, body.evinfra, tokens,
                                     sampling, mid, reader, stop_strings(body.stop_sequences))

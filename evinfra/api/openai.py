@@ -19,9 +19,10 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from evinfra.api.constraints import (ANY_OBJECT, check_served, json_schema,
+                                     tools_schema)
 from evinfra.api.logprobs import LogprobReader, top_logprobs
-from evinfra.api.schemas import (UNSERVED_MESSAGES, ChatCompletionRequest, CompletionRequest,
-                                 decode_body)
+from evinfra.api.schemas import ChatCompletionRequest, CompletionRequest, ToolChoice, decode_body
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
                                  outputs, read_hints, stop_strings, whole)
 from evinfra.api.tokenizer import Tokenizer
@@ -74,9 +75,31 @@ def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tok
 def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
     unserved = body.unserved()
     if unserved:
-        field = unserved[0]
-        raise RequestError(UNSERVED_MESSAGES.get(field, f"{field} is not supported by this server"),
-                           param=field)
+        raise RequestError(f"{unserved[0]} is not supported by this server", param=unserved[0])
+
+
+def _constraint(body: ChatCompletionRequest, tools: list[dict] | None) -> tuple[str | None, bool]:
+    """The JSON schema a chat output is held to (None: free text), and whether it is a forced
+    tool choice's (``constraints.py``)."""
+    choice, fmt = body.tool_choice, body.response_format
+    json_out = fmt is not None and fmt.type != "text"
+    if tools and choice not in (None, "none", "auto"):
+        if json_out:
+            raise RequestError("a forced tool choice and a JSON response_format cannot both "
+                               "hold the output", param="response_format")
+        name = choice.function.name if isinstance(choice, ToolChoice) else None
+        return tools_schema(tools, name, body.parallel_tool_calls, "tool_choice"), True
+    if not json_out:
+        return None, False
+    if fmt.type == "json_object":
+        return ANY_OBJECT, False
+    if fmt.type != "json_schema":
+        raise RequestError(f"response_format type {fmt.type!r} is not one of text, "
+                           "json_object, json_schema", param="response_format.type")
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise RequestError("a json_schema response_format needs its json_schema.schema",
+                           param="response_format.json_schema")
+    return json_schema(fmt.json_schema.schema, "response_format.json_schema.schema"), False
 
 
 def _call_id() -> str:
@@ -113,11 +136,18 @@ class OpenAIRoutes:
         body = decode_body(await request.read(), ChatCompletionRequest)
         _refuse_unserved(body)
         tools = body.template_tools()
+        schema, forced = _constraint(body, tools)
+        if schema is not None:
+            check_served(self.service.constrains_output(),
+                         "a forced tool choice" if forced else "a JSON response_format",
+                         "tool_choice" if forced else "response_format")
         prompt = _chat_prompt(body, tools, self.tok)
-        reader = chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id)
+        reader = (None if schema is not None and not forced else
+                  chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id,
+                              forced))
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
-                                 reader=reader)
+                                 reader=reader, schema=schema)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
@@ -126,7 +156,7 @@ class OpenAIRoutes:
         return await self._serve(request, body, tokens, body.max_tokens, chat=False)
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
-               max_tokens: int | None, chat: bool) -> Sampling:
+               max_tokens: int | None, chat: bool, schema: str | None) -> Sampling:
         check_model(self.model, body.model)
         if body.top_k == 0 or body.top_k < -1:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
@@ -135,11 +165,13 @@ class OpenAIRoutes:
         return Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos, stop_ids,
                         body.seed, body.top_k, body.min_p, body.frequency_penalty,
                         body.presence_penalty, body.repetition_penalty,
-                        _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs"))
+                        _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs"),
+                        schema)
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool,
-                     reader: Callable[[], ChatOutput] | None = None) -> web.StreamResponse:
+                     reader: Callable[[], ChatOutput] | None = None,
+                     schema: str | None = None) -> web.StreamResponse:
         """``reader`` makes how a chat output is read (None: all content), one per choice.
 
         Choice 0 is the request on its branch. With ``n`` > 1 the others are forks of that
@@ -147,7 +179,7 @@ class OpenAIRoutes:
         keeps), sent when choice 0's first token arrives: its prefill is done then, so the
         router finds the prompt's KV in the directory and the forks reuse it, where sending
         all at once would prefill the prompt ``n`` times."""
-        sampling = self._check(body, tokens, max_tokens, chat)
+        sampling = self._check(body, tokens, max_tokens, chat, schema)
         hints = read_hints(request, body.evinfra)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         k = sampling.logprobs

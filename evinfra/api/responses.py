@@ -13,10 +13,13 @@ Log-probabilities (``include: ["message.output_text.logprobs"]`` or ``top_logpro
 with the message's text: each text delta carries the entries of the tokens read since the
 last one, and the tokens whose text went to reasoning or a function call have none.
 
+A forced ``tool_choice`` and a JSON ``text.format`` hold the output to a JSON schema
+(``constraints.py``), on engines that can.
+
 Nothing is stored, so ``previous_response_id`` is refused (clients send the whole input, as
 Codex does with ``store: false``); ``store``, ``reasoning`` and the other settings that do
 not change the answer are accepted and ignored. Refused with a 400: images, tool types other
-than ``function``, a forced ``tool_choice``, a JSON ``text.format``.
+than ``function``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Annotated, Awaitable, Callable, Literal
 import msgspec
 from aiohttp import web
 
+from evinfra.api.constraints import ANY_OBJECT, check_served, json_schema, tools_schema
 from evinfra.api.logprobs import top_logprobs
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
 from evinfra.api.serving import (Sample, chat_reader, check_model, joined_text, max_tokens_for,
@@ -91,6 +95,10 @@ class FunctionTool(msgspec.Struct, frozen=True):
 
 class TextFormat(msgspec.Struct, frozen=True):
     type: str = "text"
+    """``text``, ``json_object`` or ``json_schema`` (with ``schema``)."""
+    name: str | None = None
+    schema: dict[str, object] | None = None
+    strict: bool | None = None
 
 
 class TextConfig(msgspec.Struct, frozen=True):
@@ -169,9 +177,6 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
 
 def _tools(body: ResponsesRequest) -> list[dict] | None:
     choice = body.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
-        raise RequestError("a forced tool_choice needs constrained decoding: this server "
-                           "serves 'auto' and 'none'", param="tool_choice")
     for i, t in enumerate(body.tools or ()):
         if t.type != "function" or not t.name:
             raise RequestError(f"tool type {t.type!r} is not served: describe the tool as a "
@@ -181,6 +186,35 @@ def _tools(body: ResponsesRequest) -> list[dict] | None:
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                               "parameters": t.parameters or {}}}
             for t in body.tools]
+
+
+def _constraint(body: ResponsesRequest, tools: list[dict] | None) -> tuple[str | None, bool]:
+    """The JSON schema the output is held to (None: free text), and whether it is a forced
+    tool choice's: ``required`` or ``{"type": "function", "name": ...}``."""
+    choice, fmt = body.tool_choice, body.text.format if body.text is not None else None
+    json_out = fmt is not None and fmt.type != "text"
+    if tools and choice not in (None, "auto", "none"):
+        if json_out:
+            raise RequestError("a forced tool choice and a JSON text.format cannot both hold "
+                               "the output", param="text.format")
+        name = None
+        if isinstance(choice, dict):
+            name = choice.get("name")
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise RequestError("tool_choice must be auto, none, required or "
+                                   '{"type": "function", "name": ...}', param="tool_choice")
+        return tools_schema(tools, name, body.parallel_tool_calls, "tool_choice"), True
+    if not json_out:
+        return None, False
+    if fmt.type == "json_object":
+        return ANY_OBJECT, False
+    if fmt.type != "json_schema":
+        raise RequestError(f"text.format type {fmt.type!r} is not one of text, json_object, "
+                           "json_schema", param="text.format.type")
+    if fmt.schema is None:
+        raise RequestError("a json_schema text.format needs its schema",
+                           param="text.format.schema")
+    return json_schema(fmt.schema, "text.format.schema"), False
 
 
 def _new_id(prefix: str) -> str:
@@ -306,18 +340,21 @@ class ResponsesRoutes:
         if body.previous_response_id is not None:
             raise RequestError("responses are not stored: send the whole input instead of "
                                "previous_response_id", param="previous_response_id")
-        if body.text is not None and body.text.format.type != "text":
-            raise RequestError("text.format must be 'text': JSON output needs constrained "
-                               "decoding, which this server does not serve",
-                               param="text.format")
         tools = _tools(body)
+        schema, forced = _constraint(body, tools)
+        if schema is not None:
+            check_served(self.service.constrains_output(),
+                         "a forced tool_choice" if forced else "a JSON text.format",
+                         "tool_choice" if forced else "text.format")
         prompt = self.tok.apply_chat_template(_chat_messages(body), tools)
-        reader = chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id)
+        reader = (None if schema is not None and not forced else
+                  chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id,
+                              forced))
         tokens = self.tok.encode(prompt)
         sampling = Sampling(max_tokens_for(self.model, tokens, body.max_output_tokens),
                             body.temperature, body.top_p,
                             stop_token_ids=list(self.tok.eos_token_ids),
-                            logprobs=body.logprobs())
+                            logprobs=body.logprobs(), json_schema=schema)
         rid = _new_id("resp")
         sample, stream = submit_one(self.service, self.tok, request, body.evinfra, tokens,
                                     sampling, rid, reader, [])

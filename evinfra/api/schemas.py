@@ -2,8 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
-give (``echo``, ``best_of``, ``logit_bias``, a forced ``tool_choice``, a JSON
-``response_format``) are refused; wrong types and out-of-range values are 400s that name the
+give (``echo``, ``best_of``, ``logit_bias``) are refused; wrong types and out-of-range values are 400s that name the
 field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
 """
 
@@ -13,8 +12,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-__all__ = ["UNSERVED_MESSAGES", "AgentHints", "ChatCompletionRequest", "CompletionRequest",
-           "SplitRequest", "decode_body"]
+__all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "ResponseFormat",
+           "SplitRequest", "ToolChoice", "decode_body"]
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -26,15 +25,6 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Choices = Annotated[int, msgspec.Meta(ge=1, le=128)]
 """``n``: OpenAI's range."""
-
-
-UNSERVED_MESSAGES = {
-    "tool_choice": "tool_choice must be 'auto' or 'none': a forced call needs constrained "
-                   "decoding, which this server does not serve",
-    "response_format": "response_format must be 'text': JSON output needs constrained decoding, "
-                       "which this server does not serve"}
-"""The refusal of an unserved field, where "FIELD is not supported by this server" is not
-the whole story."""
 
 
 class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -101,21 +91,28 @@ class ToolChoice(msgspec.Struct, frozen=True):
     type: Literal["function"] = "function"
 
 
+class JsonSchemaFormat(msgspec.Struct, frozen=True):
+    name: str = "answer"
+    schema: dict[str, object] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct, frozen=True):
     type: str
+    """``text``, ``json_object`` or ``json_schema`` (with ``json_schema``)."""
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     messages: list[dict[str, object]]
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
-    """Only ``none`` and ``auto`` are served: ``required`` and a named function need
-    constrained decoding (refused)."""
+    """``required`` and a named function hold the output to calls (``constraints.py``)."""
     parallel_tool_calls: bool = True
     """False: only the first call the model writes is returned."""
     response_format: ResponseFormat | None = None
-    """Only ``text`` is served: ``json_object`` and ``json_schema`` are refused (an answer
-    that is not the JSON asked for would read as one that is)."""
+    """``json_object`` and ``json_schema`` hold the output to JSON (``constraints.py``)."""
     chat_template_kwargs: dict[str, object] | None = None
     """More variables for the model's chat template (``enable_thinking`` for Qwen3, say), as
     SGLang and vLLM accept them."""
@@ -127,11 +124,7 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
 
     def unserved(self) -> list[str]:
         """The fields that ask for what this server does not give."""
-        forced = self.tools and self.tool_choice not in (None, "none", "auto")
-        return [f for f, asked in (("logit_bias", self.logit_bias),
-                                   ("tool_choice", forced),
-                                   ("response_format", self.response_format is not None
-                                    and self.response_format.type != "text")) if asked]
+        return ["logit_bias"] if self.logit_bias else []
 
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template shows the model (none with ``tool_choice: none``, as

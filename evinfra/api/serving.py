@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from evinfra.api.constraints import ForcedCalls
 from evinfra.api.logprobs import LogprobReader
 from evinfra.api.markers import partial_marker
 from evinfra.api.reasoning import PARSERS as REASONING_PARSERS
@@ -146,7 +147,8 @@ class ChatOutput:
     """A chat output read as the model's reasoning, its answer and the tool calls in the
     answer (each part only when the config names its parser)."""
 
-    def __init__(self, think: ThinkSplit | None, calls: TaggedCalls | None) -> None:
+    def __init__(self, think: ThinkSplit | None, calls: TaggedCalls | ForcedCalls | None
+                 ) -> None:
         self.think = think
         self.parser = calls
 
@@ -165,8 +167,10 @@ class ChatOutput:
         reasoning, content = self.think.end() if self.think is not None else ("", "")
         if self.parser is None:
             return reasoning, content, []
-        content, calls = self.parser.feed(content) if content else ("", [])
-        return reasoning, content + self.parser.end(), calls
+        before = len(self.parser.calls)
+        content = self.parser.feed(content)[0] if content else ""
+        content += self.parser.end()  # (a forced call is read here, once whole)
+        return reasoning, content, self.parser.calls[before:]
 
     def finish(self, reason: str) -> str:
         """The request's finish as OpenAI names it: a stop after calls is ``tool_calls``."""
@@ -174,10 +178,14 @@ class ChatOutput:
 
 
 def chat_reader(model: ModelConfig, prompt: str, tools: list[dict] | None, parallel: bool,
-                new_id: Callable[[], str]) -> Callable[[], ChatOutput] | None:
+                new_id: Callable[[], str], forced: bool = False
+                ) -> Callable[[], ChatOutput] | None:
     """What reads each choice of a chat request whose rendered prompt is ``prompt`` (None:
     the output is all content). ``tools`` as the template got them; ``new_id`` names a call.
-    Tools need the config to name the model's call format: it is not guessed."""
+    Tools need the config to name the model's call format: it is not guessed. A ``forced``
+    tool choice's output is the array of calls its grammar holds it to (no reasoning)."""
+    if forced:
+        return lambda: ChatOutput(None, ForcedCalls(new_id))
     read_calls = None
     if tools is not None:
         if model.tool_calls is None:

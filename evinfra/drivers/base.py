@@ -49,6 +49,9 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     logprobs: int | None = None
     """None: no log-probabilities; k >= 0: each output token's, and the ``k`` most likely
     tokens at its position (``TokensOut.logprobs``)."""
+    json_schema: str | None = None
+    """The output is JSON that this schema (JSON text) holds: the engine's grammar keeps
+    it so (only sent to engines whose ``constrains_output``)."""
 
 
 class PrefillOrder(msgspec.Struct, frozen=True, gc=False):
@@ -87,6 +90,10 @@ class EngineDriver(Protocol):
     """One node's engine, as the control plane sees it."""
 
     node: NodeId
+
+    @property
+    def constrains_output(self) -> bool:
+        """The engine holds an output to a grammar (``Sampling.json_schema``)."""
 
     async def start(self) -> None:
         """Connect (or launch) and begin publishing the engine's events on the bus."""

@@ -158,6 +158,33 @@ def test_logprobs(client):
                                                           abs=1e-4)
 
 
+def test_constrained_output(client):
+    """The engines' grammar (xgrammar) holds even the dummy weights to the schema: a JSON
+    answer and a forced call come back valid."""
+    sizes = {"type": "string", "enum": ["small", "large"]}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": sizes},
+              "required": ["ok", "size"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Pick a size."}]
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=msgs, max_tokens=40, temperature=1.0, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    out = json.loads(r.choices[0].message.content)
+    assert set(out) == {"ok", "size"} and isinstance(out["ok"], bool)
+    assert out["size"] in sizes["enum"]
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"size": sizes}, "required": ["size"],
+        "additionalProperties": False}}}]
+    r = client.chat.completions.create(
+        model=SERVED_NAME, messages=msgs, max_tokens=120, temperature=1.0, seed=3, tools=tools,
+        tool_choice={"type": "function", "function": {"name": "pick"}},
+        parallel_tool_calls=False, extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", (c.message.content, c.model_extra)
+    assert len(c.message.tool_calls) == 1
+    assert c.message.tool_calls[0].function.name == "pick"
+    assert json.loads(c.message.tool_calls[0].function.arguments)["size"] in sizes["enum"]
+
+
 def test_anthropic_messages(serve):
     import anthropic
 

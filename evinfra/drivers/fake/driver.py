@@ -15,6 +15,9 @@ __all__ = ["FakeDriver"]
 
 
 class FakeDriver:
+    constrains_output = False
+    """Its outputs are drawn ids: no grammar holds them."""
+
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.node = engine.node

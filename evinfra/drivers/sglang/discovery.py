@@ -17,6 +17,8 @@ Facts read (SGLang 0.5.23):
   ``evinfra_engine_patch`` (:class:`~evinfra.engine_patch.wire.PatchInfo`: in-place switch,
   fetch plans, its pool address) and ``evinfra_count_hints`` (the hint path). Stock SGLang has
   neither.
+* ``grammar_backend`` (``xgrammar`` by default, ``none`` when turned off) says whether the
+  engine can hold an output to a JSON schema.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class _ServerInfo(msgspec.Struct):
     """Path of the count-aware hint call of the evinfra engine patch, when it is loaded (stock
     SGLang has none: the field is absent)."""
     evinfra_engine_patch: PatchInfo | None = None
+    grammar_backend: str | None = None
 
 
 class _ModelInfo(msgspec.Struct):
@@ -108,6 +111,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     """The engine honours fetch plans (``kv_hints`` action ``evinfra.fetch``)."""
     pool: str | None = None
     """``host:port`` of the engine's pool server: what a peer's fetch plan names."""
+    grammar: bool = False
+    """Launched with a grammar backend (``--grammar-backend`` not ``none``): it holds an
+    output to a JSON schema."""
 
 
 _server_decoder = msgspec.json.Decoder(_ServerInfo)
@@ -172,4 +178,5 @@ def parse_engine_info(node: NodeId, url: str, server_info: bytes, model_info: by
         version=si.version or "?", radix_cache=not si.disable_radix_cache,
         switch_in_place=patch is not None and patch.switch_in_place,
         fetch=patch is not None and patch.fetch_action == f"{FETCH_ACTION}/{FETCH_VERSION}",
-        pool=patch.pool if patch is not None else None)
+        pool=patch.pool if patch is not None else None,
+        grammar=si.grammar_backend not in (None, "none"))

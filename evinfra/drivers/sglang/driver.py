@@ -122,6 +122,10 @@ class SGLangDriver:
                       "hints_unsupported": 0, "kv_batches": 0, "kv_resyncs": 0,
                       "state_reports": 0, "iteration_reports": 0}
 
+    @property
+    def constrains_output(self) -> bool:
+        return self.info is not None and self.info.grammar
+
     # -- life cycle ------------------------------------------------------------------------
 
     async def start(self) -> None:

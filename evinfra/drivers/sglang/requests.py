@@ -51,6 +51,8 @@ def sampling_params(s: Sampling) -> dict[str, Any]:
         p["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
         p["sampling_seed"] = s.seed
+    if s.json_schema is not None:
+        p["json_schema"] = s.json_schema
     # The rest only when asked for: SGLang's defaults are the same "off" values.
     for name, off in _OFF:
         if (v := getattr(s, name)) != off:

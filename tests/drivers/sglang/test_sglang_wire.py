@@ -49,6 +49,10 @@ def test_discovery_reads_endpoints_role_and_block_size():
     assert i.phase is Phase.DECODE and i.bootstrap_port == 44321 and i.host == "10.1.2.3"
     assert i.block_size == 4 and i.role_switch and not i.priority_eviction
     assert i.url == "http://10.1.2.3:30000" and i.hints_path is None
+    # A grammar backend holds outputs to JSON schemas; "none" (or an old engine) does not.
+    assert not i.grammar
+    assert info(server={**SERVER_INFO, "grammar_backend": "xgrammar"}).grammar
+    assert not info(server={**SERVER_INFO, "grammar_backend": "none"}).grammar
 
 
 def test_discovery_refuses_what_cannot_work():
@@ -184,10 +188,11 @@ def test_stream_lines_and_cumulative_or_incremental_outputs():
             (([1], 1), ([2], 2), ([3, 4], 4))] == [[1], [2], [3, 4]]
 
 
-def test_logprobs_are_asked_for_and_read_in_either_streaming_mode():
-    s = Sampling(max_tokens=8, logprobs=2)
+def test_logprobs_and_a_schema_are_asked_for_and_logprobs_read_in_either_mode():
+    s = Sampling(max_tokens=8, logprobs=2, json_schema='{"type": "object"}')
     body = generate_body([1], s, "r", Bootstrap("h", 1, 2))
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
+    assert body["sampling_params"]["json_schema"] == '{"type": "object"}'
     assert "return_logprob" not in generate_body([1], Sampling(max_tokens=8), "r",
                                                  Bootstrap("h", 1, 2))
     # SGLang's entries are (logprob, id, text); a position without alternatives is null.

@@ -115,7 +115,10 @@ class Engine:
             "--model-path", str(self.model_dir), "--served-model-name", SERVED_NAME,
             "--load-format", "dummy", "--device", "cpu",
             "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--grammar-backend", "none", "--disable-cuda-graph", "--disable-overlap-schedule",
+            # xgrammar holds outputs to JSON schemas (constrained output); JSON without free
+            # whitespace, or the dummy weights may write whitespace up to max_tokens.
+            "--grammar-backend", "xgrammar", "--constrained-json-disable-any-whitespace",
+            "--disable-cuda-graph", "--disable-overlap-schedule",
             "--page-size", str(PAGE_SIZE), "--max-total-tokens", str(self.max_total_tokens),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--kv-events-config", json.dumps(kv),

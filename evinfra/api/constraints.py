@@ -1,0 +1,88 @@
+"""Constrained output: JSON answers and forced tool calls, as JSON schemas the engines' grammar
+holds the output to (SGLang's ``json_schema`` sampling parameter, with a grammar backend).
+
+A JSON answer (``response_format`` / ``text.format``) is held to the request's schema, or to
+"an object", and comes back as the content. A forced tool choice (``required``, a named
+function; Anthropic's ``any`` and ``tool``) is held, as SGLang does it, to a JSON array of
+``{"name", "parameters"}`` objects, one per call, which :class:`ForcedCalls` reads back into
+tool calls once the output is whole. Either way the whole output is the JSON: no reasoning
+block comes first. Engines that cannot hold an output to a grammar (the fake engines, SGLang
+launched with ``--grammar-backend none``) are not sent such a request: it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from evinfra.api.tool_calls import ToolCall
+from evinfra.errors import RequestError
+
+__all__ = ["ANY_OBJECT", "ForcedCalls", "check_served", "json_schema", "tools_schema"]
+
+ANY_OBJECT = '{"type": "object"}'
+"""The schema of a JSON answer with no schema of its own (``json_object``)."""
+
+
+def json_schema(schema: object, param: str) -> str:
+    """A request's JSON schema as the engines take it: JSON text."""
+    if not isinstance(schema, dict):
+        raise RequestError("the JSON schema must be an object", param=param)
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def tools_schema(tools: list[dict], name: str | None, parallel: bool, param: str) -> str:
+    """The calls of a forced tool choice: at least one (only one, not ``parallel``) of the
+    tool ``name`` (None: any of ``tools``, as the chat template got them)."""
+    if not tools:
+        raise RequestError("a forced tool choice needs tools", param=param)
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not chosen:
+        raise RequestError(f"tool_choice names {name!r}, which is not among the tools",
+                           param=param)
+    calls = [{"type": "object", "properties": {
+        "name": {"type": "string", "enum": [f["name"]]},
+        "parameters": f.get("parameters") or {"type": "object"}},
+        "required": ["name", "parameters"], "additionalProperties": False} for f in chosen]
+    schema: dict = {"type": "array", "minItems": 1,
+                    "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def check_served(constrains: bool, what: str, param: str) -> None:
+    """Refuse a constrained output the engines cannot hold to its grammar."""
+    if not constrains:
+        raise RequestError(f"{what} needs constrained decoding, which these engines do not "
+                           "serve (an SGLang engine with a grammar backend does)", param=param)
+
+
+class ForcedCalls:
+    """The output of a forced tool choice, read as :class:`~evinfra.api.tool_calls.TaggedCalls`
+    is (``feed``, ``end``, ``calls``): held until it is whole, then read as the array of
+    calls. An output that is not one (cut at ``max_tokens``) is left as content."""
+
+    def __init__(self, new_id: Callable[[], str]) -> None:
+        self._new_id = new_id
+        self._parts: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self._parts.append(delta)
+        return "", []
+
+    def end(self) -> str:
+        text, self._parts = "".join(self._parts), []
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text
+        if not (isinstance(items, list) and items and all(
+                isinstance(it, dict) and isinstance(it.get("name"), str)
+                and isinstance(it.get("parameters"), dict) for it in items)):
+            return text
+        self.calls = [ToolCall(self._new_id(), it["name"],
+                               json.dumps(it["parameters"], ensure_ascii=False))
+                      for it in items]
+        return ""

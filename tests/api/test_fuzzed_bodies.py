@@ -1,5 +1,7 @@
 """Whatever a body holds, the answer is a 200 or a 4xx, never a 5xx (bad input is the
-client's error, and the server keeps serving): hypothesis-made bodies, seeded."""
+client's error, and the server keeps serving): hypothesis-made bodies, seeded. The engines
+claim a grammar, so constrained outputs (JSON answers, forced calls) get past the refusal
+to the schemas and the reading of the (random) output."""
 
 import asyncio
 import json
@@ -14,6 +16,7 @@ from evinfra.api import build_app
 from evinfra.api.tokenizer import ByteTokenizer
 from evinfra.config import parse_config
 from evinfra.core.clock import WallClock
+from evinfra.drivers.fake.driver import FakeDriver
 from evinfra.service import Service
 from tests.api.conftest import BASE, merged
 
@@ -48,13 +51,21 @@ message = st.fixed_dictionaries(
 tools = st.one_of(value, st.lists(st.fixed_dictionaries(
     {"function": function}, optional={"type": st.sampled_from(["function", "other"])}),
     max_size=2))
+short_name = st.one_of(st.text(max_size=5), st.integers())
 anything = st.dictionaries(st.sampled_from(KEYS), value, max_size=8)
 """Bodies that mostly fail the schema."""
 plausible = st.fixed_dictionaries(
     {"model": st.just("evinfra-fake"), "max_tokens": st.integers(-1, 6),
      "messages": st.one_of(value, st.lists(message, min_size=1, max_size=3))},
     optional={"tools": tools, "stream": st.booleans(),
-              "tool_choice": st.sampled_from(["auto", "none"]),
+              "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), value,
+                                       st.just({"type": "function", "function": {"name": "f"}})),
+              "response_format": st.one_of(value, st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                  optional={"json_schema": st.one_of(value, st.fixed_dictionaries(
+                      {"name": short_name}, optional={"schema": value}))})),
+              "logprobs": st.one_of(st.booleans(), value), "top_logprobs": st.integers(-2, 25),
+              "parallel_tool_calls": st.booleans(), "n": st.integers(0, 3),
               "stop": st.lists(st.sampled_from(["a", "<", "</think>"]), max_size=2),
               "chat_template_kwargs": st.dictionaries(st.text(max_size=5), value, max_size=2)})
 """Chat bodies that get past the schema more often than not, to reach the later checks."""
@@ -63,6 +74,8 @@ plausible = st.fixed_dictionaries(
 @pytest.fixture(scope="module")
 def post():
     """A service and its app on a loop of their own (hypothesis drives a sync test)."""
+    grammar = pytest.MonkeyPatch()
+    grammar.setattr(FakeDriver, "constrains_output", True)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
@@ -91,6 +104,7 @@ def post():
 
     run(stop())
     loop.call_soon_threadsafe(loop.stop)
+    grammar.undo()
 
 
 @settings(max_examples=300, deadline=None, derandomize=True,
@@ -121,7 +135,9 @@ anthropic_body = st.fixed_dictionaries(
                   optional={"type": st.sampled_from(["custom", "bash_20250124"])}),
                   max_size=2)),
               "tool_choice": st.one_of(value, st.fixed_dictionaries(
-                  {"type": st.sampled_from(["auto", "any", "none", "tool"])})),
+                  {"type": st.sampled_from(["auto", "any", "none", "tool"])},
+                  optional={"name": st.one_of(st.just("f"), value),
+                            "disable_parallel_tool_use": st.booleans()})),
               "thinking": st.one_of(value, st.fixed_dictionaries(
                   {"type": st.sampled_from(["enabled", "disabled"])})),
               "stop_sequences": st.one_of(value, st.lists(st.sampled_from(["a", "<"]),
@@ -154,8 +170,14 @@ responses_body = st.fixed_dictionaries(
               "tools": st.one_of(value, st.lists(st.fixed_dictionaries(
                   {"type": st.sampled_from(["function", "web_search"])},
                   optional={"name": short, "parameters": value}), max_size=2)),
-              "tool_choice": st.one_of(value, st.sampled_from(["auto", "none", "required"])),
-              "text": value, "previous_response_id": st.one_of(st.none(), short),
+              "tool_choice": st.one_of(value, st.sampled_from(["auto", "none", "required"]),
+                                       st.just({"type": "function", "name": "f"})),
+              "text": st.one_of(value, st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                  {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                  optional={"schema": value, "name": short})})),
+              "top_logprobs": st.integers(-2, 25),
+              "include": st.one_of(value, st.just(["message.output_text.logprobs"])),
+              "previous_response_id": st.one_of(st.none(), short),
               "stream": st.booleans()})
 """Responses API bodies, mostly of the right shape."""
 

@@ -135,8 +135,9 @@ class Service:
         self._active: Counter[BranchId] = Counter()
         self._sweep: Timer | None = None
         self.fake_cluster = None  # the fake engines, when from_config built them
-        self.counters = {"submitted": 0, "ok": 0, "failed": 0, "aborted": 0, "refused": 0,
-                         "rerouted": 0, "timeouts": 0, "switches": 0, "branches_expired": 0}
+        # submitted = ok + failed + aborted + rejected (refused: never submitted)
+        self.counters = {"submitted": 0, "ok": 0, "failed": 0, "aborted": 0, "rejected": 0,
+                         "refused": 0, "rerouted": 0, "timeouts": 0, "switches": 0, "branches_expired": 0}
         self._subscribe()
 
     @classmethod
@@ -378,6 +379,11 @@ class Service:
         f = self._flights.get(ev.request)
         if f is None or ev.node not in (f.prefill, f.decode):
             return
+        if ev.rejected:
+            for node in {f.prefill, f.decode} - {None, ev.node}:
+                self.drivers[node].abort(ev.request)
+            self._fail(f, RequestError(f"the engine refused the request: {ev.error}"))
+            return
         if ev.node == f.prefill and not ev.started and f.prefill_start is None:
             again = self.router.failed(ev.request, ev.node, False, self.clock.now())
             if isinstance(again, (Route, Held)):
@@ -440,8 +446,9 @@ class Service:
         if status == "ok":
             self.counters["ok"] += 1
             self.planner.observe_request(now, f.computed, f.cached, f.out)
-        else:  # a client that went away is not a failure of the cluster
-            self.counters["aborted" if status == "aborted" else "failed"] += 1
+        else:  # a client that went away, or a bad request, is not a failure of the cluster
+            self.counters[{"aborted": "aborted", "RequestError": "rejected"}.get(
+                status, "failed")] += 1
         if f.end_branch and self._active[f.branch]:
             self._end_after(f.branch)
         elif f.end_branch:

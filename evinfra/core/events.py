@@ -270,6 +270,10 @@ class RequestFailed(msgspec.Struct, frozen=True, gc=False):
     time: float
     error: str
     started: bool
+    rejected: bool = False
+    """The engine refused the request itself (a JSON schema its grammar cannot compile, a
+    token id past its vocabulary): no node would serve it, so it is the client's error and
+    is not routed again."""
 
 
 class Withdrawn(msgspec.Struct, frozen=True, gc=False):

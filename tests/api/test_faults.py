@@ -130,3 +130,27 @@ async def test_a_timeout_in_anthropic_shape(client, service):
     assert resp.status == 504
     body = await resp.json()
     assert body["type"] == "error" and body["error"]["type"] == "api_error"
+
+
+async def test_a_request_an_engine_refuses_is_the_clients_error(client, service, monkeypatch):
+    """An engine that refuses a request itself (SGLang: a schema its grammar cannot compile,
+    an abort with status 400) fails it with a 400 and the engine's reason; it is not routed
+    again (every engine would refuse it) and the cluster has not failed."""
+    from evinfra.core.events import RequestFailed
+    from evinfra.drivers.fake.driver import FakeDriver
+
+    tried = []
+
+    def refuse(self, order):
+        tried.append(self.node)
+        self.engine.bus.publish(RequestFailed(order.request, self.node, 0.0,
+                                              f"{self.node}: unsupported type 'nonsense'",
+                                              False, rejected=True))
+    monkeypatch.setattr(FakeDriver, "submit_prefill", refuse)
+    r = await completion(client, "hello")
+    assert r.status == 400
+    assert "refused the request" in (err := (await r.json())["error"])["message"]
+    assert "nonsense" in err["message"]
+    assert len(tried) == 1 and service.counters["rejected"] == 1
+    assert service.counters["failed"] == service.counters["rerouted"] == 0
+    assert service.in_flight() == 0

@@ -126,7 +126,8 @@ def test_second_request_of_a_branch_reuses_its_prefix(client):
 
 def test_metrics_and_status_reflect_the_traffic(server, client):
     _, base = server
-    client.completions.create(model="evinfra-fake", prompt="metrics please", max_tokens=3)
+    # A prompt of more than one page (64 byte tokens): its KV is blocks in the directory.
+    client.completions.create(model="evinfra-fake", prompt="metrics please " * 10, max_tokens=3)
     metrics = get(base + "/metrics")[1]
     ok = [line for line in metrics.splitlines() if line.startswith('evinfra_requests_total{status="ok"}')]
     assert ok and float(ok[0].split()[-1]) >= 1

@@ -183,6 +183,15 @@ def test_constrained_output(client):
     assert len(c.message.tool_calls) == 1
     assert c.message.tool_calls[0].function.name == "pick"
     assert json.loads(c.message.tool_calls[0].function.arguments)["size"] in sizes["enum"]
+    # A schema the grammar cannot compile: the engines refuse the request, a 400.
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(
+            model=SERVED_NAME, messages=msgs, max_tokens=8, response_format={
+                "type": "json_schema", "json_schema": {"name": "a", "schema": {
+                    "type": "object", "properties": {"a": {"type": "nonsense"}}}}})
+    assert "refused the request" in str(e.value) and "nonsense" in str(e.value)
 
 
 def test_anthropic_messages(serve):

@@ -403,7 +403,8 @@ class SGLangDriver:
         log.warning("sglang_request_failed", node=self.node, request=f.request, kind=f.kind,
                     started=started, error=failure.message)
         self.bus.publish(RequestFailed(f.request, self.node, self.clock.now(),
-                                       f"{self.node}: {failure.message}", started))
+                                       f"{self.node}: {failure.message}", started,
+                                       failure.rejected))
 
     def _end(self, f: _Flight) -> None:
         """Stop a flight quietly (abort, withdraw): cancel its stream, tell the engine."""

@@ -6,7 +6,8 @@ Every way an engine call can fail ends as a :class:`Failure`: a message a client
 * ``unreachable`` — the engine itself may be gone (refused or reset connections, a stream
   cut mid-way, timeouts): the driver probes it at once and reports ``NodeDown`` if it does not
   answer;
-* ``status`` — the HTTP status when the engine answered one.
+* ``status`` — the HTTP status when the engine answered one (or put in an abort): 400,
+  413 and 422 mean the request itself is bad (``rejected``), and no engine would take it.
 
 ::
 
@@ -33,6 +34,11 @@ class Failure(msgspec.Struct, frozen=True):
     message: str
     unreachable: bool = False
     status: int | None = None
+
+    @property
+    def rejected(self) -> bool:
+        """The engine refused the request as bad (not itself failing)."""
+        return self.status in (400, 413, 422)
 
 
 class _Detail(msgspec.Struct):

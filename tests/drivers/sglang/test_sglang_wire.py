@@ -232,7 +232,8 @@ def test_errors_map_to_clear_messages():
     assert engine_message(b"Internal Server Error") == "Internal Server Error"
     f = from_http(503, b'{"error": {"message": "overloaded"}}', "prefill")
     assert f.message == "prefill: HTTP 503: overloaded" and f.status == 503
-    assert not f.unreachable
+    assert not f.unreachable and not f.rejected  # the engine's trouble, not the request's
+    assert from_http(400, b'{"error": {"message": "bad schema"}}', "prefill").rejected
     refused = aiohttp.ClientConnectorError(
         aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None),
         ConnectionRefusedError(111, "Connection refused"))

@@ -72,10 +72,23 @@ def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tok
     return tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs)
 
 
-def _refuse_unserved(body: ChatCompletionRequest | CompletionRequest) -> None:
+def _refuse_unserved(body: CompletionRequest) -> None:
     unserved = body.unserved()
     if unserved:
         raise RequestError(f"{unserved[0]} is not supported by this server", param=unserved[0])
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` checked: token ids (decimal strings) to biases in [-100, 100]."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isdigit() and int(key) < 2**32) or not -100 <= value <= 100:
+            raise RequestError("logit_bias maps token ids (decimal strings) to biases from "
+                               f"-100 to 100, not {key!r}: {value!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _constraint(body: ChatCompletionRequest, tools: list[dict] | None) -> tuple[str | None, bool]:
@@ -134,7 +147,6 @@ class OpenAIRoutes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)
-        _refuse_unserved(body)
         tools = body.template_tools()
         schema, forced = _constraint(body, tools)
         if schema is not None:
@@ -166,7 +178,7 @@ class OpenAIRoutes:
                         body.seed, body.top_k, body.min_p, body.frequency_penalty,
                         body.presence_penalty, body.repetition_penalty,
                         _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs"),
-                        schema)
+                        _logit_bias(body.logit_bias), schema)
 
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool,

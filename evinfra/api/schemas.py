@@ -2,8 +2,8 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
-give (``echo``, ``best_of``, ``logit_bias``) are refused; wrong types and out-of-range values are 400s that name the
-field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
+give (``echo``, ``best_of``) are refused; wrong types and out-of-range values are 400s that
+name the field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     """-1: no limit, else at least 1 (checked by the handler: no Meta says "-1 or >= 1")."""
     min_p: MinP = 0.0
     logit_bias: dict[str, float] | None = None
-    """Not served (refused when not empty)."""
+    """Token id (a decimal string, as OpenAI's) -> bias added to its logit, -100 to 100."""
     ignore_eos: bool = False
     """Generate exactly ``max_tokens`` (SGLang and vLLM accept it; replay uses it)."""
     evinfra: AgentHints | None = None
@@ -122,10 +122,6 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     top_logprobs: int | None = None
     """With ``logprobs``: that many most likely tokens at each position (0-20)."""
 
-    def unserved(self) -> list[str]:
-        """The fields that ask for what this server does not give."""
-        return ["logit_bias"] if self.logit_bias else []
-
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template shows the model (none with ``tool_choice: none``, as
         SGLang does)."""
@@ -150,8 +146,7 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     def unserved(self) -> list[str]:
         """The fields that ask for what this server does not give."""
         return [f for f, asked in (("echo", self.echo),
-                                   ("best_of", (self.best_of or 1) > 1),
-                                   ("logit_bias", self.logit_bias)) if asked]
+                                   ("best_of", (self.best_of or 1) > 1)) if asked]
 
 
 class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

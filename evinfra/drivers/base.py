@@ -49,6 +49,8 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     logprobs: int | None = None
     """None: no log-probabilities; k >= 0: each output token's, and the ``k`` most likely
     tokens at its position (``TokensOut.logprobs``)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit."""
     json_schema: str | None = None
     """The output is JSON that this schema (JSON text) holds: the engine's grammar keeps
     it so (only sent to engines whose ``constrains_output``)."""

@@ -1,5 +1,7 @@
 """The sampling options of a request reach the engines' orders, and SGLang's body."""
 
+import pytest
+
 from evinfra.drivers.sglang.requests import sampling_params
 from tests.api.conftest import body, spy_prefill_orders
 
@@ -40,3 +42,22 @@ async def test_options_left_out_are_left_out_of_the_sglang_body(client, service)
     assert r.status == 200, await r.text()
     assert set(sampling_params(orders[0].sampling)) == {"max_new_tokens", "temperature",
                                                         "top_p", "ignore_eos"}
+
+
+async def test_logit_bias_reaches_the_sglang_body(client, service):
+    orders = spy_prefill_orders(service)
+    r = await client.post("/v1/completions", data=body(model="evinfra-fake", prompt="hi",
+                                                       max_tokens=2,
+                                                       logit_bias={"65": 100, "7": -2.5}))
+    assert r.status == 200, await r.text()
+    assert orders[0].sampling.logit_bias == {65: 100, 7: -2.5}
+    assert sampling_params(orders[0].sampling)["logit_bias"] == {"65": 100, "7": -2.5}
+
+
+@pytest.mark.parametrize("bias", [{"a": 1}, {"-1": 1}, {"5": 101}, {"5": -100.5},
+                                  {str(2**32): 1}])
+async def test_bad_logit_bias_is_a_400(client, bias):
+    r = await client.post("/v1/chat/completions", data=body(
+        model="evinfra-fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        logit_bias=bias))
+    assert r.status == 400 and (await r.json())["error"]["param"] == "logit_bias"

@@ -194,6 +194,14 @@ def test_constrained_output(client):
     assert "refused the request" in str(e.value) and "nonsense" in str(e.value)
 
 
+def test_logit_bias(client):
+    """A bias of 100 on one token makes it every output token (the engines apply it)."""
+    r = client.completions.create(model=SERVED_NAME, prompt="The router", max_tokens=5,
+                                  temperature=0, logit_bias={"65": 100},
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [65] * 5
+
+
 def test_anthropic_messages(serve):
     import anthropic
 

@@ -53,6 +53,8 @@ def sampling_params(s: Sampling) -> dict[str, Any]:
         p["sampling_seed"] = s.seed
     if s.json_schema is not None:
         p["json_schema"] = s.json_schema
+    if s.logit_bias:
+        p["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
     # The rest only when asked for: SGLang's defaults are the same "off" values.
     for name, off in _OFF:
         if (v := getattr(s, name)) != off:

@@ -31,9 +31,10 @@ from evinfra.baselines import engine_overrides
 from evinfra.config import Config
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
-from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeState, PhaseSwitched,
-                                 PrefillDone, PrefillStarted, RequestDone, RequestFailed,
-                                 SplitChanged, TokenLogprobs, TokensOut, Withdrawn)
+from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeState, NodeUp,
+                                 PhaseSwitched, PrefillDone, PrefillStarted, RequestDone,
+                                 RequestFailed, SplitChanged, TokenLogprobs, TokensOut,
+                                 Withdrawn)
 from evinfra.core.types import BranchId, NodeId, Phase, RequestId
 from evinfra.directory import Directory
 from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
@@ -323,6 +324,7 @@ class Service:
         sub(Withdrawn, self._on_withdrawn)
         sub(PhaseSwitched, self._on_switched)
         sub(NodeDown, self._on_node_down)
+        sub(NodeUp, self._on_node_up)
 
     def _on_kv(self, ev: NodeKVEvents) -> None:
         self.directory.apply_batch(ev.node, ev.batch, self.clock.now())
@@ -414,6 +416,11 @@ class Service:
         self.planner.drained(ev.node, self.clock.now())
         self._flush_hints()
         log.info("node_switched", node=ev.node, phase=ev.phase)
+
+    def _on_node_up(self, ev: NodeUp) -> None:
+        """A restarted engine serves again (its phase follows): route to it again."""
+        log.info("node_up", node=ev.node)
+        self.router.node_up(ev.node)
 
     def _on_node_down(self, ev: NodeDown) -> None:
         (log.info if self._stopping else log.error)("node_down", node=ev.node, reason=ev.reason)

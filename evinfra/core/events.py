@@ -300,6 +300,14 @@ class NodeDown(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
+class NodeUp(msgspec.Struct, frozen=True, gc=False):
+    """``node``'s engine serves again after a ``NodeDown`` (restarted: its KV is empty); its
+    phase follows (``PhaseSwitched``)."""
+
+    node: str
+    time: float
+
+
 class RequestDone(msgspec.Struct, frozen=True, gc=False):
     """What the service knows of a request once it is over (metrics and reports read it).
 

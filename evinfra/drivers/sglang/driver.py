@@ -3,7 +3,9 @@
 Commands return at once; each request runs in its own task that streams ``/generate`` and
 turns what the engine says into bus events. Two more tasks per node follow the engine: the KV
 event subscriber (``kvsub``) and the ``/v1/loads`` poller (``loads``), which also decides when
-the engine is down. The pure parts (discovery, stream tracking, loads, request bodies, error
+the engine is down. A down engine is looked for again every ``rejoin_interval_s``: once it
+answers (restarted, its KV empty) it is discovered anew and the node serves again
+(``NodeUp``, then its phase). The pure parts (discovery, stream tracking, loads, request bodies, error
 mapping) live in their own modules; this one only moves data between them and the network.
 
 Two rules keep the service's handlers sane:
@@ -32,7 +34,7 @@ import structlog
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock
-from evinfra.core.events import (AllBlocksCleared, KVEventBatch, NodeDown, NodeKVEvents,
+from evinfra.core.events import (AllBlocksCleared, KVEventBatch, NodeDown, NodeKVEvents, NodeUp,
                                  PhaseSwitched, PrefillDone, PrefillStarted, RequestFailed,
                                  TokensOut, Withdrawn)
 from evinfra.core.types import NodeId, Phase, RequestId
@@ -47,7 +49,7 @@ from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, OutputCurso
                                              generate_body, parse_sse_line, priority_for)
 from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire, fetch_kv_hints,
                                        restored_tokens)
-from evinfra.errors import EngineError
+from evinfra.errors import EngineError, EvinfraError
 
 __all__ = ["DriverSettings", "SGLangDriver"]
 
@@ -75,6 +77,8 @@ class DriverSettings(msgspec.Struct, frozen=True, kw_only=True):
     finish_wait_s: float = 2.0
     """How long a finished decode waits for its prefill's outcome before closing the request."""
     abort_timeout_s: float = 2.0
+    rejoin_interval_s: float = 5.0
+    """How often a down engine is looked for (a restarted one rejoins the cluster)."""
 
 
 class _Flight:
@@ -135,10 +139,17 @@ class SGLangDriver:
             timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s),
             read_bufsize=1 << 20, raise_for_status=False)
         try:
-            self.info = info = await self._discover()
+            info = await self._discover()
         except BaseException:
             await self._session.close()
             raise
+        self._connect(info)
+        self._spawn(self._watch())
+
+    def _connect(self, info: EngineInfo) -> None:
+        """Serve the engine ``info`` describes: its role, its KV events."""
+        s = self.settings
+        self.info = info
         self.phase = info.phase
         self.pairs.register_engine(self.node, info.host, info.bootstrap_port, info.pool)
         log.info("sglang_engine", node=self.node, url=self.url, phase=info.phase.value,
@@ -167,7 +178,6 @@ class SGLangDriver:
             log.warning("sglang_no_kv_events", node=self.node,
                         hint="launch with --kv-events-config '{\"publisher\":\"zmq\",...}': "
                              "without it the directory never sees this node's cache")
-        self._spawn(self._poll_loads())
 
     async def stop(self) -> None:
         self._stopping = True
@@ -522,6 +532,32 @@ class SGLangDriver:
                                                                   [AllBlocksCleared()])))
 
     # -- load, health ----------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Poll the engine while it is up; once it is down, wait for it to come back."""
+        while True:
+            await self._poll_loads()
+            await self._rejoin()
+
+    async def _rejoin(self) -> None:
+        """Look for the engine until it answers discovery again (a restart: its KV is empty,
+        its KV event sequence starts over), then serve it."""
+        said = None
+        while True:
+            await self._sleep(self.settings.rejoin_interval_s)
+            try:
+                info = await self._discover()
+            except EvinfraError as exc:  # not answering (EngineError), or unusable now
+                if exc.message != said:
+                    said = exc.message
+                    log.warning("sglang_engine_still_down", node=self.node, reason=said)
+                continue
+            break
+        self._down = False
+        self._loads = LoadsTracker(self.node)
+        log.info("sglang_engine_back", node=self.node, url=self.url)
+        self.bus.publish(NodeUp(self.node, self.clock.now()))
+        self._connect(info)
 
     async def _poll_loads(self) -> None:
         s = self.settings

@@ -10,8 +10,8 @@ from aiohttp import web
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
-from evinfra.core.events import (NodeDown, NodeState, PhaseSwitched, PrefillDone, PrefillStarted,
-                                 RequestFailed, TokensOut, Withdrawn)
+from evinfra.core.events import (NodeDown, NodeState, NodeUp, PhaseSwitched, PrefillDone,
+                                 PrefillStarted, RequestFailed, TokensOut, Withdrawn)
 from evinfra.core.types import Phase
 from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
 from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
@@ -21,7 +21,7 @@ from evinfra.errors import ConfigError
 from test_sglang_wire import LOADS, PATCH_INFO, SERVER_INFO
 
 FAST = DriverSettings(poll_interval_s=0.05, down_after_s=0.3, discovery_timeout_s=2.0,
-                      finish_wait_s=0.5)
+                      finish_wait_s=0.5, rejoin_interval_s=0.1)
 
 
 class FakeEngine:
@@ -100,7 +100,7 @@ def meta(n, finish=None, cached=0):
 async def cluster(request):
     bus, events = Bus(), []
     for t in (PhaseSwitched, PrefillStarted, PrefillDone, TokensOut, RequestFailed, Withdrawn,
-              NodeDown, NodeState):
+              NodeDown, NodeUp, NodeState):
         bus.subscribe(t, events.append)
     patched = request.param
     p = FakeEngine("prefill", {**PATCH_INFO, "pool": "127.0.0.1:6001"} if patched else None)
@@ -222,6 +222,32 @@ async def test_an_engine_that_dies_mid_stream_fails_its_requests_and_goes_down(c
     await engines["p"].runner.setup()
 
 
+async def test_a_restarted_engine_rejoins(cluster):
+    """A down engine is looked for again: once it answers (restarted) the node is up, in
+    the role the engine reports, and serves requests."""
+    drivers, engines, events = cluster
+    port = int(engines["p"].url.rsplit(":", 1)[1])
+    await engines["p"].stop()
+    await until(lambda: of(events, NodeDown, node="p"))
+    await asyncio.sleep(0.3)  # a few looks at a dead port
+    assert not of(events, NodeUp)
+    events.clear()
+    engines["p"].role = "decode"  # relaunched in the other role
+    await engines["p"].start(port)
+    await until(lambda: of(events, NodeUp, node="p"))
+    await until(lambda: of(events, PhaseSwitched, node="p"))
+    assert events.index(of(events, NodeUp)[0]) < events.index(of(events, PhaseSwitched)[0])
+    assert of(events, PhaseSwitched, node="p")[0].phase == "decode"
+    assert drivers["p"].healthy()
+    await until(lambda: of(events, NodeState, node="p"))  # polled again
+
+    async def prefill(request, body):
+        return await sse(request, [{"output_ids": [7], "meta_info": meta(1, {"type": "length"})}])
+    engines["p"].generate = prefill
+    drivers["p"].submit_prefill(PrefillOrder("r3", ORDER.tokens, [], [], ORDER.sampling))
+    await until(lambda: of(events, PrefillDone, request="r3"))
+
+
 @pytest.mark.parametrize("cluster", [False, True], indirect=True, ids=["stock", "patched"])
 async def test_a_fetch_plan_goes_to_a_patched_engine_only(cluster):
     """A patched prefill engine gets the plan in ``kv_hints`` (peers named by their pool
@@ -299,3 +325,30 @@ async def test_node_urls_must_be_http_base_urls():
         {"name": "a", "url": "localhost:30000"}, {"name": "b", "url": "http://127.0.0.1:1"}]}})
     with pytest.raises(ConfigError, match=r"\['localhost:30000'\] are not http\(s\) base URLs"):
         build_drivers(config, WallClock(), Bus())
+
+
+async def test_the_service_routes_to_a_node_again_once_it_rejoins():
+    from evinfra.config import parse_config
+    from evinfra.service import Service
+
+    engines = {"p": FakeEngine("prefill"), "d": FakeEngine("decode")}
+    for e in engines.values():
+        await e.start()
+    config = parse_config({"cluster": {
+        "driver": "sglang", "page_size": 4, "initial_prefill": 1,
+        "nodes": [{"name": n, "url": e.url} for n, e in engines.items()]}})
+    bus, pairs = Bus(), PairBook()
+    service = Service(config, WallClock(), bus, {
+        n: SGLangDriver(n, e.url, WallClock(), bus, pairs, 4, FAST) for n, e in engines.items()})
+    await service.start()
+    try:
+        port = int(engines["p"].url.rsplit(":", 1)[1])
+        await engines["p"].stop()
+        await until(lambda: not service.router.node_view("p")["healthy"])
+        await engines["p"].start(port)
+        await until(lambda: service.router.node_view("p")["healthy"])
+        assert service.router.split() == (["p"], ["d"])
+    finally:
+        await service.stop()
+        for e in engines.values():
+            await e.stop()

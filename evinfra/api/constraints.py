@@ -18,7 +18,8 @@ from typing import Callable
 from evinfra.api.tool_calls import ToolCall
 from evinfra.errors import RequestError
 
-__all__ = ["ANY_OBJECT", "ForcedCalls", "check_served", "json_schema", "tools_schema"]
+__all__ = ["ANY_OBJECT", "ForcedCalls", "check_served", "json_schema", "output_schema",
+           "tools_schema"]
 
 ANY_OBJECT = '{"type": "object"}'
 """The schema of a JSON answer with no schema of its own (``json_object``)."""
@@ -49,6 +50,32 @@ def tools_schema(tools: list[dict], name: str | None, parallel: bool, param: str
     if not parallel:
         schema["maxItems"] = 1
     return json.dumps(schema, ensure_ascii=False)
+
+
+def output_schema(tools: list[dict] | None, forced: bool, tool: str | None, parallel: bool,
+                  fmt: str | None, schema: object, fmt_param: str, schema_param: str
+                  ) -> tuple[str | None, bool]:
+    """The JSON schema a request's output is held to (None: free text), and whether it is a
+    forced tool choice's: the calls of ``tool`` (None: any of ``tools``) when the choice is
+    ``forced``, else the JSON format ``fmt`` (None or ``text``: none; ``json_object``;
+    ``json_schema``, with ``schema``). ``fmt_param`` and ``schema_param`` name the format's
+    fields in a refusal."""
+    json_out = fmt not in (None, "text")
+    if tools and forced:
+        if json_out:
+            raise RequestError(f"a forced tool choice and a JSON {fmt_param} cannot both hold "
+                               "the output", param=fmt_param)
+        return tools_schema(tools, tool, parallel, "tool_choice"), True
+    if not json_out:
+        return None, False
+    if fmt == "json_object":
+        return ANY_OBJECT, False
+    if fmt != "json_schema":
+        raise RequestError(f"{fmt_param} type {fmt!r} is not one of text, json_object, "
+                           "json_schema", param=f"{fmt_param}.type")
+    if schema is None:
+        raise RequestError(f"a json_schema {fmt_param} needs its schema", param=schema_param)
+    return json_schema(schema, schema_param), False
 
 
 def check_served(constrains: bool, what: str, param: str) -> None:

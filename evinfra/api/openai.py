@@ -19,8 +19,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from evinfra.api.constraints import (ANY_OBJECT, check_served, json_schema,
-                                     tools_schema)
+from evinfra.api.constraints import check_served, output_schema
 from evinfra.api.logprobs import LogprobReader, top_logprobs
 from evinfra.api.schemas import ChatCompletionRequest, CompletionRequest, ToolChoice, decode_body
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
@@ -92,27 +91,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _constraint(body: ChatCompletionRequest, tools: list[dict] | None) -> tuple[str | None, bool]:
-    """The JSON schema a chat output is held to (None: free text), and whether it is a forced
-    tool choice's (``constraints.py``)."""
+    """:func:`~evinfra.api.constraints.output_schema` of a chat request."""
     choice, fmt = body.tool_choice, body.response_format
-    json_out = fmt is not None and fmt.type != "text"
-    if tools and choice not in (None, "none", "auto"):
-        if json_out:
-            raise RequestError("a forced tool choice and a JSON response_format cannot both "
-                               "hold the output", param="response_format")
-        name = choice.function.name if isinstance(choice, ToolChoice) else None
-        return tools_schema(tools, name, body.parallel_tool_calls, "tool_choice"), True
-    if not json_out:
-        return None, False
-    if fmt.type == "json_object":
-        return ANY_OBJECT, False
-    if fmt.type != "json_schema":
-        raise RequestError(f"response_format type {fmt.type!r} is not one of text, "
-                           "json_object, json_schema", param="response_format.type")
-    if fmt.json_schema is None or fmt.json_schema.schema is None:
-        raise RequestError("a json_schema response_format needs its json_schema.schema",
-                           param="response_format.json_schema")
-    return json_schema(fmt.json_schema.schema, "response_format.json_schema.schema"), False
+    return output_schema(
+        tools, choice not in (None, "none", "auto"),
+        choice.function.name if isinstance(choice, ToolChoice) else None,
+        body.parallel_tool_calls, fmt.type if fmt is not None else None,
+        fmt.json_schema.schema if fmt is not None and fmt.json_schema is not None else None,
+        "response_format", "response_format.json_schema.schema")
 
 
 def _call_id() -> str:

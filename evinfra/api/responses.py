@@ -31,7 +31,7 @@ from typing import Annotated, Awaitable, Callable, Literal
 import msgspec
 from aiohttp import web
 
-from evinfra.api.constraints import ANY_OBJECT, check_served, json_schema, tools_schema
+from evinfra.api.constraints import check_served, output_schema
 from evinfra.api.logprobs import top_logprobs
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
 from evinfra.api.serving import (Sample, chat_reader, check_model, joined_text, max_tokens_for,
@@ -189,32 +189,19 @@ def _tools(body: ResponsesRequest) -> list[dict] | None:
 
 
 def _constraint(body: ResponsesRequest, tools: list[dict] | None) -> tuple[str | None, bool]:
-    """The JSON schema the output is held to (None: free text), and whether it is a forced
-    tool choice's: ``required`` or ``{"type": "function", "name": ...}``."""
+    """:func:`~evinfra.api.constraints.output_schema` of a request; a forced choice is
+    ``required`` or ``{"type": "function", "name": ...}``."""
     choice, fmt = body.tool_choice, body.text.format if body.text is not None else None
-    json_out = fmt is not None and fmt.type != "text"
-    if tools and choice not in (None, "auto", "none"):
-        if json_out:
-            raise RequestError("a forced tool choice and a JSON text.format cannot both hold "
-                               "the output", param="text.format")
-        name = None
-        if isinstance(choice, dict):
-            name = choice.get("name")
-            if choice.get("type") != "function" or not isinstance(name, str):
-                raise RequestError("tool_choice must be auto, none, required or "
-                                   '{"type": "function", "name": ...}', param="tool_choice")
-        return tools_schema(tools, name, body.parallel_tool_calls, "tool_choice"), True
-    if not json_out:
-        return None, False
-    if fmt.type == "json_object":
-        return ANY_OBJECT, False
-    if fmt.type != "json_schema":
-        raise RequestError(f"text.format type {fmt.type!r} is not one of text, json_object, "
-                           "json_schema", param="text.format.type")
-    if fmt.schema is None:
-        raise RequestError("a json_schema text.format needs its schema",
-                           param="text.format.schema")
-    return json_schema(fmt.schema, "text.format.schema"), False
+    name = None
+    if tools and isinstance(choice, dict):
+        name = choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise RequestError("tool_choice must be auto, none, required or "
+                               '{"type": "function", "name": ...}', param="tool_choice")
+    return output_schema(tools, choice not in (None, "auto", "none"), name,
+                         body.parallel_tool_calls, fmt.type if fmt is not None else None,
+                         fmt.schema if fmt is not None else None, "text.format",
+                         "text.format.schema")
 
 
 def _new_id(prefix: str) -> str:

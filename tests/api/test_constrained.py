@@ -111,7 +111,7 @@ async def test_an_output_cut_short_is_text(client, grammar, monkeypatch):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
-     "response_format.json_schema"),
+     "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": 3}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),

@@ -46,6 +46,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """A running request that produces nothing for this long fails with 504."""
     shutdown_grace_s: NonNegFloat = 30.0
     """On SIGTERM: stop accepting, let in-flight requests finish this long, fail the rest."""
+    stored_responses: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    """Responses API answers kept in memory for ``previous_response_id`` (the least recently
+    used go first; 0: none)."""
     branch_idle_s: PosFloat | None = 7200.0
     """An agent branch with no request for this long is ended, its KV counts released, as if
     its harness had reported the end (one that never does would hold them, and the branch's

@@ -1,4 +1,4 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless (Codex CLI's wire API).
+"""``POST /v1/responses``: OpenAI's Responses API (Codex CLI's wire API).
 
 As SGLang and vLLM serve it, a request is read into the chat route's terms and served by the
 same path (``serving.py``): ``instructions`` and ``system``/``developer`` messages are the
@@ -16,10 +16,11 @@ last one, and the tokens whose text went to reasoning or a function call have no
 A forced ``tool_choice`` and a JSON ``text.format`` hold the output to a JSON schema
 (``constraints.py``), on engines that can.
 
-Nothing is stored, so ``previous_response_id`` is refused (clients send the whole input, as
-Codex does with ``store: false``); ``store``, ``reasoning`` and the other settings that do
-not change the answer are accepted and ignored. Refused with a 400: images, tool types other
-than ``function``.
+Answers are stored in memory (``response_store.py``, unless ``store: false``; read back with
+``GET /v1/responses/{id}``, ``DELETE`` to forget one): ``previous_response_id`` continues a
+stored conversation, and a chain of responses is one agent branch with no hint from the client.
+``reasoning`` and the other settings that do not change the answer are accepted and ignored.
+Refused with a 400: images, tool types other than ``function``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from aiohttp import web
 from evinfra.api.constraints import check_served, output_schema
 from evinfra.api.logprobs import top_logprobs
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
+from evinfra.api.response_store import ResponseStore, Stored
 from evinfra.api.serving import (Sample, chat_reader, check_model, joined_text, max_tokens_for,
-                                 sse_event, submit_one)
+                                 read_hints, sse_event, submit_one)
 from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -118,6 +120,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     parallel_tool_calls: bool = True
     stream: bool = False
     previous_response_id: str | None = None
+    store: bool = True
     text: TextConfig | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
@@ -143,12 +146,10 @@ def _item(i: int, raw: object) -> Item:
         raise RequestError(f"invalid input item: {msg}", param=f"input[{i}]{where.rstrip('`')}")
 
 
-def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
-    """The request as the chat template's messages: consecutive function calls are one
-    assistant turn's ``tool_calls``."""
+def _input_messages(body: ResponsesRequest) -> list[dict[str, object]]:
+    """The request's input as chat messages: consecutive function calls are one assistant
+    turn's ``tool_calls``."""
     out: list[dict[str, object]] = []
-    if body.instructions:
-        out.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         out.append({"role": "user", "content": body.input})
         return out
@@ -172,6 +173,24 @@ def _chat_messages(body: ResponsesRequest) -> list[dict[str, object]]:
         elif type(it) is FunctionCallOutputItem:
             out.append({"role": "tool", "tool_call_id": it.call_id,
                         "content": joined_text(it.output, f"input[{i}].output", "")})
+    return out
+
+
+def _output_messages(output: list[dict]) -> list[dict[str, object]]:
+    """An answer's output items as the chat messages its continuation starts with (the
+    reasoning left out, as harnesses leave it out of the next context)."""
+    out: list[dict[str, object]] = []
+    for it in output:
+        if it["type"] == "message":
+            out.append({"role": "assistant",
+                        "content": "".join(p["text"] for p in it["content"])})
+        elif it["type"] == "function_call":
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)  # type: ignore[union-attr]
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
     return out
 
 
@@ -317,23 +336,46 @@ class ResponsesRoutes:
         self.service = service
         self.tok = tokenizer
         self.model = service.config.model
+        self.store = ResponseStore(service.config.server.stored_responses)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{response_id}", self.retrieve)
+        app.router.add_delete("/v1/responses/{response_id}", self.delete)
+
+    def _stored(self, rid: str, param: str | None = None) -> Stored:
+        s = self.store.get(rid)
+        if s is None:
+            raise RequestError(f"no stored response {rid!r}: responses are kept in memory "
+                               f"(the last {self.store.capacity}) and only with store: true",
+                               status=400 if param else 404, param=param,
+                               code="previous_response_not_found" if param else "not_found")
+        return s
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        return web.json_response(self._stored(request.match_info["response_id"]).response)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        rid = request.match_info["response_id"]
+        self._stored(rid)
+        self.store.delete(rid)
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ResponsesRequest)
         check_model(self.model, body.model)
-        if body.previous_response_id is not None:
-            raise RequestError("responses are not stored: send the whole input instead of "
-                               "previous_response_id", param="previous_response_id")
+        previous = (self._stored(body.previous_response_id, "previous_response_id")
+                    if body.previous_response_id is not None else None)
         tools = _tools(body)
         schema, forced = _constraint(body, tools)
         if schema is not None:
             check_served(self.service.constrains_output(),
                          "a forced tool_choice" if forced else "a JSON text.format",
                          "tool_choice" if forced else "text.format")
-        prompt = self.tok.apply_chat_template(_chat_messages(body), tools)
+        conversation = (previous.conversation if previous is not None else []) + \
+            _input_messages(body)
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        prompt = self.tok.apply_chat_template(system + conversation, tools)
         reader = (None if schema is not None and not forced else
                   chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id,
                               forced))
@@ -343,7 +385,11 @@ class ResponsesRoutes:
                             stop_token_ids=list(self.tok.eos_token_ids),
                             logprobs=body.logprobs(), json_schema=schema)
         rid = _new_id("resp")
-        sample, stream = submit_one(self.service, self.tok, request, body.evinfra, tokens,
+        hints = body.evinfra
+        explicit = read_hints(request, hints)
+        if explicit.branch_id is None and explicit.parent_branch_id is None:
+            hints = self.store.hints(previous, rid)  # the chain's branch (none to start)
+        sample, stream = submit_one(self.service, self.tok, request, hints, tokens,
                                     sampling, rid, reader, [])
         answer = _Answer(self, body, sample, int(tokens.size))
         try:
@@ -352,6 +398,9 @@ class ResponsesRoutes:
             return await answer.write_whole(stream)
         finally:
             self.service.abort(rid)  # if the client went away (a finished request is gone)
+            if body.store and answer.final is not None:
+                self.store.put(answer.final, conversation + _output_messages(
+                    answer.final["output"]), hints.branch_id if hints is not None else None)
 
 
 class _Answer:
@@ -369,7 +418,10 @@ class _Answer:
             "parallel_tool_calls": body.parallel_tool_calls,
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice or "auto",
-            "tools": [msgspec.to_builtins(t) for t in body.tools or ()], "error": None}
+            "tools": [msgspec.to_builtins(t) for t in body.tools or ()], "error": None,
+            "previous_response_id": body.previous_response_id, "store": body.store}
+        self.final: dict | None = None
+        """The whole response, once it is (completed or incomplete)."""
 
     def response(self, status: str, output: list[dict], finish: str | None = None) -> dict:
         out = {**self.head, "status": status, "output": output, "incomplete_details": None}
@@ -418,7 +470,8 @@ class _Answer:
     async def write_whole(self, stream) -> web.Response:
         items = _Items()
         finish = await self._read(items, stream)
-        return web.json_response(self.response("completed", items.finish(), finish))
+        self.final = self.response("completed", items.finish(), finish)
+        return web.json_response(self.final)
 
     async def write_stream(self, request: web.Request, stream) -> web.StreamResponse:
         # An error before the first output leaves as an ordinary error response.
@@ -435,6 +488,7 @@ class _Answer:
                                           lambda: self._flush(resp, items))
                 final = self.response("completed", items.finish(), finish)
                 items.emit({"type": f"response.{final['status']}", "response": final})
+                self.final = final
             except EvinfraError as exc:
                 # Headers are out: report the error in the stream, as OpenAI does.
                 items.emit({"type": "error", "code": None, "message": exc.message,

@@ -177,7 +177,7 @@ responses_body = st.fixed_dictionaries(
                   optional={"schema": value, "name": short})})),
               "top_logprobs": st.integers(-2, 25),
               "include": st.one_of(value, st.just(["message.output_text.logprobs"])),
-              "previous_response_id": st.one_of(st.none(), short),
+              "previous_response_id": st.one_of(st.none(), short), "store": st.booleans(),
               "stream": st.booleans()})
 """Responses API bodies, mostly of the right shape."""
 

@@ -231,6 +231,10 @@ def test_responses(client):
                                                       "response.incomplete")]
     assert len(ends) == 1 and ends[0].output_text == r.output_text
     assert ends[0].usage.input_tokens_details.cached_tokens > 0  # the same prompt again
+    # A continuation of the stored response: its conversation, whose prompt's KV is reused.
+    on = client.responses.create(previous_response_id=r.id, **{**kw, "input": "Go on."})
+    assert on.usage.input_tokens > r.usage.input_tokens + r.usage.output_tokens
+    assert on.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens // 2
 
 
 def test_bad_request_is_a_clear_400(client):

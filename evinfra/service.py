@@ -138,7 +138,8 @@ class Service:
         self.fake_cluster = None  # the fake engines, when from_config built them
         # submitted = ok + failed + aborted + rejected (refused: never submitted)
         self.counters = {"submitted": 0, "ok": 0, "failed": 0, "aborted": 0, "rejected": 0,
-                         "refused": 0, "rerouted": 0, "timeouts": 0, "switches": 0, "branches_expired": 0}
+                         "refused": 0, "rerouted": 0, "timeouts": 0, "switches": 0,
+                         "branches_expired": 0}
         self._subscribe()
 
     @classmethod

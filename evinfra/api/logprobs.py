@@ -15,7 +15,7 @@ from typing import Sequence
 
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.core.events import TokenLogprobs
-from evinfra.errors import RequestError
+from evinfra.errors import EvinfraError, RequestError
 
 __all__ = ["MAX_TOP", "LogprobReader", "top_logprobs"]
 
@@ -53,8 +53,7 @@ class LogprobReader:
         span = range(self._at, self._at + len(ids))
         if span.stop > len(self.sampled):
             # An engine that reports fewer than it streams would misalign every later entry.
-            raise RequestError("the engine did not report the log-probabilities asked for",
-                               status=502)
+            raise EvinfraError("the engine did not report the log-probabilities asked for")
         self._at = span.stop
         return span
 

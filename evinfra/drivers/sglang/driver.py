@@ -5,8 +5,9 @@ turns what the engine says into bus events. Two more tasks per node follow the e
 event subscriber (``kvsub``) and the ``/v1/loads`` poller (``loads``), which also decides when
 the engine is down. A down engine is looked for again every ``rejoin_interval_s``: once it
 answers (restarted, its KV empty) it is discovered anew and the node serves again
-(``NodeUp``, then its phase). The pure parts (discovery, stream tracking, loads, request bodies, error
-mapping) live in their own modules; this one only moves data between them and the network.
+(``NodeUp``, then its phase). The pure parts (discovery, stream tracking, loads, request
+bodies, error mapping) live in their own modules; this one only moves data between them and
+the network.
 
 Two rules keep the service's handlers sane:
 

@@ -80,6 +80,18 @@ async def eventually(check, seconds: float = 5.0) -> bool:
     return check()
 
 
+def spy_submissions(service) -> list:
+    """The submissions the service gets, from now on."""
+    subs = []
+    submit = service.submit
+
+    def spy(sub, sink):
+        subs.append(sub)
+        return submit(sub, sink)
+    service.submit = spy
+    return subs
+
+
 def spy_prefill_orders(service) -> list:
     """The prefill orders the service sends its engines, from now on."""
     orders = []

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from tests.api.conftest import (body, eventually, model_says, openai_client,
-                                spy_prefill_orders)
+                                spy_prefill_orders, spy_submissions)
 
 CHAT = "/v1/chat/completions"
 PROMPT = "".join(chr(33 + i % 90) for i in range(2_000))  # 2,000 byte tokens: 31 full pages
@@ -17,13 +17,7 @@ PROMPT = "".join(chr(33 + i % 90) for i in range(2_000))  # 2,000 byte tokens: 3
 
 async def test_choices_whole(client, service):
     orders = spy_prefill_orders(service)
-    submitted = []
-    submit = service.submit
-
-    def spy_submit(sub, sink):
-        submitted.append(sub)
-        return submit(sub, sink)
-    service.submit = spy_submit
+    submitted = spy_submissions(service)
     r = await openai_client(client).completions.create(
         model="evinfra-fake", prompt=PROMPT, n=3, max_tokens=40, seed=7,
         extra_headers={"X-Evinfra-Branch-Id": "agent-1"},

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from evinfra.drivers.fake.driver import FakeDriver
-from tests.api.conftest import body, model_says, openai_client
+from tests.api.conftest import body, model_says, openai_client, spy_submissions
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "read a.py"}]
@@ -20,17 +20,14 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 @pytest.fixture
 def grammar(monkeypatch, service):
-    """The engines hold outputs to grammars (as SGLang with xgrammar does); the schemas the
-    service is sent."""
+    """The engines hold outputs to grammars (as SGLang with xgrammar does); the submissions
+    the service gets."""
     monkeypatch.setattr(FakeDriver, "constrains_output", True)
-    sent = []
-    submit = service.submit
+    return spy_submissions(service)
 
-    def spy(sub, sink):
-        sent.append(sub.sampling.json_schema)
-        return submit(sub, sink)
-    service.submit = spy
-    return sent
+
+def schemas(submitted: list) -> list:
+    return [s.sampling.json_schema for s in submitted]
 
 
 async def test_refused_by_engines_without_a_grammar(client):
@@ -53,7 +50,8 @@ async def test_json_response_formats(client, grammar, monkeypatch):
     await oa.chat.completions.create(model="evinfra-fake", messages=MESSAGES, max_tokens=20,
                                      response_format={"type": "json_object"})
     await oa.chat.completions.create(model="evinfra-fake", messages=MESSAGES, max_tokens=20)
-    assert [json.loads(s) if s else s for s in grammar] == [SCHEMA, {"type": "object"}, None]
+    assert [json.loads(s) if s else s for s in schemas(grammar)] == \
+        [SCHEMA, {"type": "object"}, None]
 
 
 async def test_a_named_tool_choice_comes_back_as_its_call(client, grammar, monkeypatch):
@@ -75,7 +73,7 @@ async def test_a_named_tool_choice_comes_back_as_its_call(client, grammar, monke
     assert [(c.index, c.function.name) for c in calls] == [(0, "read_file")]
     assert text == "" and finish == "tool_calls"
     # The schema: an array of calls of that tool, its parameters as the request gave them.
-    schema = json.loads(grammar[0])
+    schema = json.loads(schemas(grammar)[0])
     assert schema["type"] == "array" and schema["minItems"] == 1
     item = schema["items"]["properties"]
     assert item["name"] == {"type": "string", "enum": ["read_file"]}
@@ -89,7 +87,7 @@ async def test_required_is_any_tool_and_one_without_parallel_calls(client, gramm
         model="evinfra-fake", messages=MESSAGES, max_tokens=80, tools=TOOLS,
         tool_choice="required", parallel_tool_calls=False)
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["ls"]
-    schema = json.loads(grammar[0])
+    schema = json.loads(schemas(grammar)[0])
     assert schema["maxItems"] == 1
     assert [a["properties"]["name"]["enum"] for a in schema["items"]["anyOf"]] == \
         [["read_file"], ["ls"]]
@@ -135,8 +133,9 @@ async def test_responses_forced_call_and_json_format(client, grammar, monkeypatc
     r = await oa.responses.create(model="evinfra-fake", input="ok?", text={"format": {
         "type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}})
     assert json.loads(r.output_text) == {"ok": False}
-    assert json.loads(grammar[1]) == SCHEMA
-    assert json.loads(grammar[0])["items"]["properties"]["name"]["enum"] == ["read_file"]
+    assert json.loads(schemas(grammar)[1]) == SCHEMA
+    called = json.loads(schemas(grammar)[0])["items"]["properties"]["name"]
+    assert called["enum"] == ["read_file"]
     bad = await client.post("/v1/responses", data=body(
         model="evinfra-fake", input="x", tools=tools, tool_choice={"type": "mcp"}))
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "tool_choice"
@@ -154,7 +153,7 @@ async def test_anthropic_forced_tool_use(client, grammar, monkeypatch):
                                 messages=[{"role": "user", "content": "look"}])
     assert m.stop_reason == "tool_use"
     assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", "ls", {})]
-    assert len(json.loads(grammar[0])["items"]["anyOf"]) == 2
+    assert len(json.loads(schemas(grammar)[0])["items"]["anyOf"]) == 2
     r = await client.post("/v1/messages", data=body(
         model="evinfra-fake", max_tokens=4, tools=tools, tool_choice={"type": "tool"},
         messages=[{"role": "user", "content": "look"}]))

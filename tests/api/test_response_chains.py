@@ -5,20 +5,13 @@ forks), responses can be read back and deleted, and the store is bounded."""
 import pytest
 
 from evinfra.api.tokenizer import ByteTokenizer
-from tests.api.conftest import model_says, openai_client
+from tests.api.conftest import model_says, openai_client, spy_submissions
 from tests.api.test_responses import SAYS_CALL, TOOLS
 
 
 @pytest.fixture
 def submitted(service):
-    subs = []
-    submit = service.submit
-
-    def spy(sub, sink):
-        subs.append(sub)
-        return submit(sub, sink)
-    service.submit = spy
-    return subs
+    return spy_submissions(service)
 
 
 def prompt_of(sub) -> str:

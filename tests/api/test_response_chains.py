@@ -95,3 +95,16 @@ async def test_explicit_hints_win(client, submitted):
     await oa.responses.create(model="evinfra-fake", input="on", previous_response_id=r1.id,
                               extra_headers={"X-Evinfra-Branch-Id": "codex-7"})
     assert submitted[1].branch == "codex-7"
+
+
+async def test_a_streamed_response_is_stored_and_continued(client, submitted, monkeypatch):
+    oa = openai_client(client)
+    model_says(monkeypatch, "streamed answer")
+    async with oa.responses.stream(model="evinfra-fake", input="hi") as s:
+        r1 = await s.get_final_response()
+    assert (await oa.responses.retrieve(r1.id)).output_text == "streamed answer"
+    async with oa.responses.stream(model="evinfra-fake", input="on",
+                                   previous_response_id=r1.id) as s:
+        await s.get_final_response()
+    assert "streamed answer" in prompt_of(submitted[1])
+    assert submitted[1].branch.startswith("chain-")

@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 import msgspec
 
 from evinfra.core.events import IterationReport, NodeState, RequestDone
-from evinfra.core.types import NodeId, PosFloat, RequestId
+from evinfra.core.types import NodeId, PosFloat
 from evinfra.planner.itermodel import FitReport, NodeModel
 from evinfra.planner.planner import Decision, Planner, PlannerConfig, Split
 from evinfra.router.router import NodeLoad

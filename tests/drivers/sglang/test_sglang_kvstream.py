@@ -1,7 +1,7 @@
 """KVStream: ordered delivery, gaps recovered by replay, resync when they cannot be."""
 
 from evinfra.core.events import AllBlocksCleared, BlockStored, KVEventBatch, KVEventDecoder, encode_frames
-from evinfra.drivers.sglang.kvstream import Clear, Deliver, KVStream, Replay
+from evinfra.drivers.sglang.kvstream import Clear, KVStream
 
 
 def b(i: int) -> KVEventBatch:

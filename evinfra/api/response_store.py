@@ -53,20 +53,21 @@ class ResponseStore:
             del self._tips[s.branch]
         return s is not None
 
-    def hints(self, previous: Stored | None, rid: str) -> AgentHints:
-        """The branch of response ``rid``, which continues ``previous`` (None: starts a
-        chain, a branch of one): the previous one's branch if it is that branch's latest
-        response, else a new branch forked from it. ``rid`` is the branch's latest from now
-        on, so a second response continuing ``previous`` meanwhile forks."""
+    def hints(self, previous: Stored | None) -> AgentHints:
+        """The branch of a response that continues ``previous`` (None: starts a chain, a
+        branch of one): the previous one's branch if it is that branch's latest response,
+        else a new branch forked from it."""
         if previous is None:
             return AgentHints()
         prev_id = previous.response["id"]
         if previous.branch is not None and self._tips.get(previous.branch) == prev_id:
-            hints = AgentHints(previous.branch)
-        else:
-            hints = AgentHints(f"chain-{uuid.uuid4().hex[:16]}", previous.branch)
-        self._tips[hints.branch_id] = rid
-        return hints
+            return AgentHints(previous.branch)
+        return AgentHints(f"chain-{uuid.uuid4().hex[:16]}", previous.branch)
+
+    def claim(self, branch: str, rid: str) -> None:
+        """Response ``rid`` was submitted on ``branch``: it is the branch's latest from now
+        on, so a second response continuing the one before it meanwhile forks."""
+        self._tips[branch] = rid
 
     def put(self, response: dict, conversation: list[dict], branch: str | None) -> None:
         if self.capacity == 0:

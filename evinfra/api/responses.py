@@ -387,10 +387,13 @@ class ResponsesRoutes:
         rid = _new_id("resp")
         hints = body.evinfra
         explicit = read_hints(request, hints)
-        if explicit.branch_id is None and explicit.parent_branch_id is None:
-            hints = self.store.hints(previous, rid)  # the chain's branch (none to start)
+        chained = explicit.branch_id is None and explicit.parent_branch_id is None
+        if chained:
+            hints = self.store.hints(previous)  # the chain's branch (none to start)
         sample, stream = submit_one(self.service, self.tok, request, hints, tokens,
                                     sampling, rid, reader, [])
+        if chained and hints.branch_id is not None:
+            self.store.claim(hints.branch_id, rid)  # submitted: no await since hints()
         answer = _Answer(self, body, sample, int(tokens.size))
         try:
             if body.stream:

@@ -14,6 +14,11 @@ def submitted(service):
     return spy_submissions(service)
 
 
+async def respond(oa, **kw):
+    """A short answer (the fake engines draw an answer's length up to its maximum)."""
+    return await oa.responses.create(model="evinfra-fake", max_output_tokens=8, **kw)
+
+
 def prompt_of(sub) -> str:
     return ByteTokenizer().decode(sub.tokens.tolist())
 
@@ -52,7 +57,7 @@ async def test_a_chain_continues_its_conversation_on_one_branch(client, service,
 async def test_a_function_call_chain(client, submitted, monkeypatch):
     oa = openai_client(client)
     model_says(monkeypatch, SAYS_CALL)
-    r1 = await oa.responses.create(model="evinfra-fake", input="read a.py", tools=TOOLS)
+    r1 = await respond(oa, input="read a.py", tools=TOOLS)
     call = next(i for i in r1.output if i.type == "function_call")
     model_says(monkeypatch, "It prints hi.")
     r2 = await oa.responses.create(
@@ -65,17 +70,18 @@ async def test_a_function_call_chain(client, submitted, monkeypatch):
 
 async def test_read_back_delete_and_not_stored(client):
     oa = openai_client(client)
-    r = await oa.responses.create(model="evinfra-fake", input="hi")
+    r = await respond(oa, input="hi")
     assert (await oa.responses.retrieve(r.id)).output_text == r.output_text
     deleted = await client.delete(f"/v1/responses/{r.id}")
     assert deleted.status == 200 and (await deleted.json())["deleted"] is True
     assert (await client.get(f"/v1/responses/{r.id}")).status == 404
     gone = await client.post("/v1/responses", json={
-        "model": "evinfra-fake", "input": "more", "previous_response_id": r.id})
+        "model": "evinfra-fake", "input": "more", "previous_response_id": r.id,
+        "max_output_tokens": 8})
     assert gone.status == 400
     err = (await gone.json())["error"]
     assert err["code"] == "previous_response_not_found" and err["param"] == "previous_response_id"
-    unstored = await oa.responses.create(model="evinfra-fake", input="hi", store=False)
+    unstored = await respond(oa, input="hi", store=False)
     assert unstored.store is False
     assert (await client.get(f"/v1/responses/{unstored.id}")).status == 404
 
@@ -83,17 +89,16 @@ async def test_read_back_delete_and_not_stored(client):
 @pytest.mark.parametrize("config_overrides", [{"server": {"stored_responses": 2}}])
 async def test_the_store_keeps_the_latest(client, config_overrides):
     oa = openai_client(client)
-    ids = [(await oa.responses.create(model="evinfra-fake", input=f"q{i}")).id
-           for i in range(3)]
+    ids = [(await respond(oa, input=f"q{i}")).id for i in range(3)]
     assert (await client.get(f"/v1/responses/{ids[0]}")).status == 404
     assert [(await client.get(f"/v1/responses/{i}")).status for i in ids[1:]] == [200, 200]
 
 
 async def test_explicit_hints_win(client, submitted):
     oa = openai_client(client)
-    r1 = await oa.responses.create(model="evinfra-fake", input="hi")
-    await oa.responses.create(model="evinfra-fake", input="on", previous_response_id=r1.id,
-                              extra_headers={"X-Evinfra-Branch-Id": "codex-7"})
+    r1 = await respond(oa, input="hi")
+    await respond(oa, input="on", previous_response_id=r1.id,
+                  extra_headers={"X-Evinfra-Branch-Id": "codex-7"})
     assert submitted[1].branch == "codex-7"
 
 
@@ -108,3 +113,23 @@ async def test_a_streamed_response_is_stored_and_continued(client, submitted, mo
         await s.get_final_response()
     assert "streamed answer" in prompt_of(submitted[1])
     assert submitted[1].branch.startswith("chain-")
+
+
+async def test_a_continuation_refused_leaves_the_chain_as_it_was(client, service, submitted):
+    from evinfra.errors import NoNodeError
+
+    oa = openai_client(client)
+    r1 = await respond(oa, input="hi")
+    r2 = await respond(oa, input="on", previous_response_id=r1.id)
+    spy = service.submit
+
+    def refuse(sub, sink):
+        raise NoNodeError("prefill", "a test")
+    service.submit = refuse
+    r = await client.post("/v1/responses", json={
+        "model": "evinfra-fake", "input": "more", "max_output_tokens": 8,
+        "previous_response_id": r2.id})
+    assert r.status == 503
+    service.submit = spy
+    await respond(oa, input="more", previous_response_id=r2.id)
+    assert submitted[2].branch == submitted[1].branch  # the retry continues r2's branch

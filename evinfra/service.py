@@ -382,12 +382,9 @@ class Service:
         f = self._flights.get(ev.request)
         if f is None or ev.node not in (f.prefill, f.decode):
             return
-        if ev.rejected:
-            for node in {f.prefill, f.decode} - {None, ev.node}:
-                self.drivers[node].abort(ev.request)
-            self._fail(f, RequestError(f"the engine refused the request: {ev.error}"))
-            return
-        if ev.node == f.prefill and not ev.started and f.prefill_start is None:
+        # A request the engine refused itself would be refused anywhere: not routed again.
+        if (not ev.rejected and ev.node == f.prefill and not ev.started
+                and f.prefill_start is None):
             again = self.router.failed(ev.request, ev.node, False, self.clock.now())
             if isinstance(again, (Route, Held)):
                 self.counters["rerouted"] += 1
@@ -398,7 +395,8 @@ class Service:
                 return
         for node in {f.prefill, f.decode} - {None, ev.node}:
             self.drivers[node].abort(ev.request)
-        self._fail(f, EngineError(ev.node, ev.error))
+        self._fail(f, RequestError(f"the engine refused the request: {ev.error}")
+                   if ev.rejected else EngineError(ev.node, ev.error))
 
     def _on_withdrawn(self, ev: Withdrawn) -> None:
         f = self._flights.get(ev.request)

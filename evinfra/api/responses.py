@@ -161,15 +161,8 @@ def _input_messages(body: ResponsesRequest) -> list[dict[str, object]]:
             out.append({"role": "system" if it.role == "developer" else it.role,
                         "content": joined_text(it.content, f"input[{i}].content", "")})
         elif type(it) is FunctionCallItem:
-            call = {"id": it.call_id, "type": "function",
-                    "function": {"name": it.name,
-                                 "arguments": call_arguments({"arguments": it.arguments},
-                                                             f"input[{i}].arguments")}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # type: ignore[union-attr]
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_call(out, it.call_id, it.name,
+                      call_arguments({"arguments": it.arguments}, f"input[{i}].arguments"))
         elif type(it) is FunctionCallOutputItem:
             out.append({"role": "tool", "tool_call_id": it.call_id,
                         "content": joined_text(it.output, f"input[{i}].output", "")})
@@ -185,13 +178,19 @@ def _output_messages(output: list[dict]) -> list[dict[str, object]]:
             out.append({"role": "assistant",
                         "content": "".join(p["text"] for p in it["content"])})
         elif it["type"] == "function_call":
-            call = {"id": it["call_id"], "type": "function",
-                    "function": {"name": it["name"], "arguments": it["arguments"]}}
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)  # type: ignore[union-attr]
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_call(out, it["call_id"], it["name"], it["arguments"])
     return out
+
+
+def _add_call(out: list[dict[str, object]], call_id: str, name: str,
+              arguments: str | dict) -> None:
+    """A function call as a chat message's tool call: consecutive calls are one assistant
+    turn's ``tool_calls``."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    if out and out[-1]["role"] == "assistant":
+        out[-1].setdefault("tool_calls", []).append(call)  # type: ignore[union-attr]
+    else:
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 def _tools(body: ResponsesRequest) -> list[dict] | None:

@@ -211,7 +211,7 @@ class Sample:
     comes on and how it is read (its text; its log-probabilities, if asked for); once it is
     done, its record, output token ids and the stop string that ended it."""
 
-    __slots__ = ("index", "rid", "channel", "out", "logprobs", "record", "ids", "stop")
+    __slots__ = ("index", "rid", "channel", "out", "record", "ids", "stop")
 
     def __init__(self, index: int, rid: str, out: ChatOutput | None,
                  logprobs: LogprobReader | None = None) -> None:
@@ -219,10 +219,13 @@ class Sample:
         self.rid = rid
         self.channel = Channel(logprobs)
         self.out = out
-        self.logprobs = logprobs
         self.record: RequestDone | None = None
         self.ids: list[int] = []
         self.stop: str | None = None
+
+    @property
+    def logprobs(self) -> LogprobReader | None:
+        return self.channel.logprobs
 
 
 async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[str],

@@ -117,16 +117,22 @@ class DecodeSide:
         return need, ok
 
     def _reserve(self, d: DecodeRecord, now: float) -> tuple[int, bool]:
-        """GPU room for the blocks this node's GPU lacks and the output; its L1 prefix is
-        pinned. Returns the room needed and whether it was granted."""
+        """GPU room for the blocks this node's GPU lacks and the output. Its L1 prefix is
+        pinned first, so that making the room cannot evict it (an evicted L1-only block,
+        whose write-through found no host room, would be gone). Returns the GPU room the
+        request takes in all, its reused prefix included, and whether it was granted."""
         c, page = self.cache, self.config.page_size
+        total = d.n_in + len(d.out)
         k1 = c.l1_prefix(d.path)
-        need = d.n_in - k1 * page + len(d.out)
-        if need > c.l1_capacity or need > c.kv_room or not c.reserve(need):
-            return need, False
+        need = total - k1 * page
+        if total > c.l1_capacity or need > c.kv_room:
+            return total, False
         c.lock(d.path, k1, now)
+        if not c.reserve(need):
+            c.unlock(d.path, k1, now)
+            return total, False
         d.locked, d.reserved = k1, need
-        return need, True
+        return total, True
 
     def _transfer(self, d: DecodeRecord, now: float) -> None:
         """P->D: only the blocks missing from this node's GPU move (Fig. 4d). A decode node

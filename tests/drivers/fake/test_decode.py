@@ -5,7 +5,7 @@ import pytest
 from fake_harness import PAGE, TEST_TIMING, Harness, path, tokens
 
 from evinfra.core.events import (IterationReport, NodeKVEvents, NodeState, PrefillDone,
-                                 PrefillStarted, TokensOut)
+                                 PrefillStarted, RequestFailed, TokensOut)
 from evinfra.core.hashing import block_hashes
 from evinfra.core.types import Phase
 from evinfra.drivers.base import DecodeOrder
@@ -147,3 +147,42 @@ def test_outputs_are_deterministic_and_honour_sampling() -> None:
     again.submit("nat", tokens(1_000, seed=1), max_tokens=300, ignore_eos=False)
     again.run(30)
     assert again.output("nat")[:2] == h.output("nat")[:2]
+
+
+def test_making_decode_room_does_not_evict_the_prefix_the_request_reuses() -> None:
+    # Host memory smaller than the GPU's: what d0 stores is in L1 only (the write-through
+    # finds no room), so evicting a block there loses it.
+    h = Harness(l1_tokens=4_096, l2_tokens=PAGE)
+    a = tokens(2_560)
+    h.submit("a", a, max_tokens=16)
+    h.run(1)
+    h.submit("z", tokens(960, seed=9), max_tokens=16)  # more recent than a on d0
+    h.run(2)
+    out, _, _ = h.output("a")
+    b = np.concatenate([a, np.array(out, dtype=np.uint32), tokens(1_500, seed=5)])
+    # b fits on d0 beside its reused prefix (a's 40 pages) once z is evicted; LRU alone
+    # would evict a's tail, the older leaf, first.
+    h.submit("b", b, max_tokens=16)
+    h.run(4)
+    out_b, finish, _ = h.output("b")
+    assert finish == "length" and len(out_b) == 16
+    moved = b.size - 40 * PAGE
+    ready = h.one(PrefillDone, request="b").time + moved * CFG.pd_s_per_token
+    assert first_token_time(h, "b") == pytest.approx(ready)  # a's pages did not move again
+    h.check()
+
+
+def test_a_request_larger_than_the_decode_gpu_fails_though_it_reuses_a_prefix_there() -> None:
+    h = Harness(l1_tokens=4_096)
+    a = tokens(2_560)
+    h.submit("a", a, max_tokens=16)
+    h.run(1)
+    out, _, _ = h.output("a")
+    # 2,576 + 1,000 input tokens and 600 outputs: more than d0's GPU holds, though the part
+    # d0 lacks (its GPU has a's 40 pages) would fit.
+    big = np.concatenate([a, np.array(out, dtype=np.uint32), tokens(1_000, seed=4)])
+    h.submit("big", big, max_tokens=600)
+    h.run(5)
+    failed = h.one(RequestFailed, request="big")
+    assert failed.node == "d0" and "capacity" in failed.error
+    h.check()

@@ -53,6 +53,12 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """An agent branch with no request for this long is ended, its KV counts released, as if
     its harness had reported the end (one that never does would hold them, and the branch's
     last context, for ever). Longer than any tool or user pause worth keeping KV for."""
+    infer_branches: bool = True
+    """Requests without branch hints join the branch whose last prompt theirs extends
+    (``evinfra/directory/chains.py``); false: each is a branch of one."""
+    inferred_branch_idle_s: PosFloat = 1800.0
+    """An inferred branch with no request for this long is ended: no harness reports its end
+    or its compaction, so its counts must not outlive a pause much."""
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

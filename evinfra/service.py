@@ -36,7 +36,7 @@ from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeSt
                                  RequestFailed, SplitChanged, TokenLogprobs, TokensOut,
                                  Withdrawn)
 from evinfra.core.types import BranchId, NodeId, Phase, RequestId
-from evinfra.directory import Directory
+from evinfra.directory import ChainIndex, Directory
 from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError, UnknownBranchError
 from evinfra.planner.planner import Decision, Split
@@ -65,6 +65,7 @@ class Submission(msgspec.Struct, frozen=True, gc=False):
     """uint32 numpy array."""
     sampling: Sampling
     branch: BranchId | None = None
+    """None: no hint; the branch is inferred (``server.infer_branches``) or is one of one."""
     parent: BranchId | None = None
     final: bool = False
     """The branch ends after this request (the harness said so)."""
@@ -130,16 +131,21 @@ class Service:
         self._switching: dict[NodeId, Phase] = {}
         self._decoding = 0
         self._tick: Timer | None = None
-        # Named branches by the time they were last active, least recent first, and their
-        # requests in flight (``server.branch_idle_s``).
+        # Branches of requests without hints, inferred from their prompts.
+        self.chains = (ChainIndex(config.cluster.page_size) if config.server.infer_branches
+                       else None)
+        # Branches by the time they were last active, least recent first: named ones
+        # (``server.branch_idle_s``) and inferred ones (``server.inferred_branch_idle_s``).
+        # And every branch's requests in flight.
         self._idle_since: dict[BranchId, float] = {}
+        self._inferred_idle_since: dict[BranchId, float] = {}
         self._active: Counter[BranchId] = Counter()
         self._sweep: Timer | None = None
         self.fake_cluster = None  # the fake engines, when from_config built them
         # submitted = ok + failed + aborted + rejected (refused: never submitted)
         self.counters = {"submitted": 0, "ok": 0, "failed": 0, "aborted": 0, "rejected": 0,
                          "refused": 0, "rerouted": 0, "timeouts": 0, "switches": 0,
-                         "branches_expired": 0}
+                         "branches_expired": 0, "branches_inferred": 0, "requests_chained": 0}
         self._subscribe()
 
     @classmethod
@@ -173,7 +179,7 @@ class Service:
             self._on_tick()  # no warm-up: the initial split serves from the start
         else:
             self._schedule_tick()
-        if self.config.server.branch_idle_s is not None:
+        if self._idle_limits():
             self._schedule_sweep()
         log.info("service_started", nodes=len(self.nodes), policy=self.config.policy.name,
                  warmup_until=self.planner.warmup_end,
@@ -214,20 +220,29 @@ class Service:
         tokens = np.asarray(sub.tokens, dtype=np.uint32)
         if tokens.size == 0:
             raise RequestError("the prompt is empty", param="prompt")
-        branch = sub.branch or f"~{rid}"  # a request without a branch is a branch of one
-        f = _Flight(rid, branch, sub.final or sub.branch is None, tokens, sub.sampling, sink, now)
+        if sub.branch is not None:
+            branch, parent, final, tip = sub.branch, sub.parent, sub.final, None
+        else:
+            branch, parent, final, tip = self._infer(rid, tokens, sub.parent, sub.final)
+        new = branch not in self.directory.branches
+        f = _Flight(rid, branch, final, tokens, sub.sampling, sink, now)
         decision = self.router.route(
-            RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, sub.parent,
-                         f.end_branch), now)
+            RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, parent, final), now)
         if isinstance(decision, Refusal):
             self.counters["refused"] += 1
             self.router.finished(rid, now)
             if branch in self.directory.branches:
-                if sub.branch is None:
+                if new and sub.branch is None:  # the request's own: nothing else knows it
                     self.directory.end(branch)
                 elif not self._active[branch]:
                     self._idle_from(branch, now)
             raise NoNodeError(decision.phase, decision.reason)
+        if tip is not None:
+            assert self.chains is not None
+            self.chains.record(tip, None if final else branch)
+            if not final:
+                self.counters["requests_chained"] += 1
+                self.counters["branches_inferred"] += new
         self.counters["submitted"] += 1
         self._flights[rid] = f
         self._active[branch] += 1
@@ -239,6 +254,23 @@ class Service:
         self._release_held()
         self._flush_hints()
         return rid
+
+    def _infer(self, rid: RequestId, tokens: np.ndarray, parent: BranchId | None,
+               final: bool) -> tuple[BranchId, BranchId | None, bool, int | None]:
+        """``(branch, parent, final, tip key)`` of a request without a branch: the inferred
+        branch whose tip its prompt extends, or a fork of it, or a new one (see
+        :mod:`evinfra.directory.chains`); with no tip, a branch of one. A request that names
+        a parent, or ends its branch, is a branch of one, as is any without inference."""
+        one = f"~{rid}"
+        if self.chains is None or parent is not None or final:
+            return one, parent, True, None
+        keys = self.chains.keys(tokens)
+        if not keys:
+            return one, None, True, None
+        found = self.chains.find(keys, self.directory.branches)
+        if found.continues is not None:
+            return found.continues, None, False, keys[-1]
+        return one, found.fork_of, not found.chained, keys[-1]
 
     def abort(self, request: RequestId) -> None:
         """The client went away: stop the request everywhere, quietly."""
@@ -254,8 +286,7 @@ class Service:
         if self._active[branch]:
             self._end_after(branch)
             return
-        self.directory.end(branch)
-        self._idle_since.pop(branch, None)
+        self._end(branch)
         self._flush_hints()
 
     def _end_after(self, branch: BranchId) -> None:
@@ -458,9 +489,8 @@ class Service:
         if f.end_branch and self._active[f.branch]:
             self._end_after(f.branch)
         elif f.end_branch:
-            self._idle_since.pop(f.branch, None)
             if f.branch in self.directory.branches:
-                self.directory.end(f.branch)
+                self._end(f.branch)
         elif f.branch in self.directory.branches:
             self._idle_from(f.branch, now)
         self._flush_hints()
@@ -515,34 +545,58 @@ class Service:
 
     # -- branches their harness forgot ----------------------------------------------------
 
+    def _end(self, branch: BranchId) -> None:
+        """E.2 line 13 for a branch the service ends: it leaves the idle orders too."""
+        self.directory.end(branch)
+        self._idle_since.pop(branch, None)
+        self._inferred_idle_since.pop(branch, None)
+        if self.chains is not None:
+            self.chains.forget(branch)
+
+    def _idle_limits(self) -> list[tuple[dict[BranchId, float], float]]:
+        """Each idle order and how long its branches may idle (orders never swept left out:
+        named branches when ``branch_idle_s`` is unset, as in the simulator)."""
+        server = self.config.server
+        out = []
+        if server.branch_idle_s is not None:
+            out.append((self._idle_since, server.branch_idle_s))
+        if self.chains is not None:
+            out.append((self._inferred_idle_since, server.inferred_branch_idle_s))
+        return out
+
     def _idle_from(self, branch: BranchId, now: float) -> None:
-        """``branch`` has nothing in flight since ``now``: it goes to the back of the idle
-        order (not kept at all when idle branches are never ended, as in the simulator)."""
-        if self.config.server.branch_idle_s is not None:
-            self._idle_since.pop(branch, None)
-            self._idle_since[branch] = now
+        """``branch`` has nothing in flight since ``now``: it goes to the back of its idle
+        order (not kept at all when its kind of branch is never ended for being idle)."""
+        inferred = self.chains is not None and branch in self.chains
+        if inferred or self.config.server.branch_idle_s is not None:
+            order = self._inferred_idle_since if inferred else self._idle_since
+            order.pop(branch, None)
+            order[branch] = now
 
     def _schedule_sweep(self) -> None:
-        idle = self.config.server.branch_idle_s
-        self._sweep = self.clock.call_at(self.clock.now() + idle / 8, self._sweep_idle)
+        every = min(limit for _, limit in self._idle_limits()) / 8
+        self._sweep = self.clock.call_at(self.clock.now() + every, self._sweep_idle)
 
     def _sweep_idle(self) -> None:
-        """End the branches idle for ``server.branch_idle_s`` (E.2 line 13, on their behalf);
+        """End the branches idle for their limit (E.2 line 13, on their harness's behalf);
         a branch is idle from the end of its last request, so one in flight is never ended."""
         now = self.clock.now()
-        cutoff = now - self.config.server.branch_idle_s
-        due = []
-        for branch, since in self._idle_since.items():
-            if since > cutoff:
-                break
-            due.append((branch, since))
-        for branch, since in due:
-            del self._idle_since[branch]
-            if not self._active[branch] and branch in self.directory.branches:
-                self.directory.end(branch)
-                self.counters["branches_expired"] += 1
-                log.info("branch_expired", branch=branch, idle_s=round(now - since, 3))
-        if due:
+        ended = False
+        for order, limit in self._idle_limits():
+            cutoff = now - limit
+            due = []
+            for branch, since in order.items():
+                if since > cutoff:
+                    break
+                due.append((branch, since))
+            for branch, since in due:
+                del order[branch]
+                if not self._active[branch] and branch in self.directory.branches:
+                    self._end(branch)
+                    ended = True
+                    self.counters["branches_expired"] += 1
+                    log.info("branch_expired", branch=branch, idle_s=round(now - since, 3))
+        if ended:
             self._flush_hints()
         self._schedule_sweep()
 
@@ -666,6 +720,7 @@ class Service:
             "next_decision_at": self.planner.window_end,
             "in_flight": len(self._flights),
             "counters": dict(self.counters),
+            "inferred_branches": len(self.chains) if self.chains is not None else 0,
             "nodes": nodes,
             "directory": self.directory.summary(),
             "planner": {

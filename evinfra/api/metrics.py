@@ -100,6 +100,9 @@ class _ClusterCollector:
                                 value=tree.entries())
         yield GaugeMetricFamily("evinfra_active_branches", "Agent branches with counts",
                                 value=len(s.directory.branches))
+        yield GaugeMetricFamily("evinfra_inferred_branches",
+                                "Active branches inferred from requests without hints",
+                                value=len(s.chains) if s.chains is not None else 0)
         c = CounterMetricFamily("evinfra_kv_event_problems", "Tolerated bad KV events",
                                 labels=["problem"])
         for f in ("unknown_parent", "unknown_removal", "duplicate_hash", "unknown_node",

@@ -1,0 +1,135 @@
+"""Requests without branch hints (a harness as it ships) join the branch whose last prompt
+theirs extends (``evinfra/directory/chains.py``): through the chat and Messages APIs, an agent
+loop is one branch from its second turn, a second continuation of one turn forks it, an
+unrelated or one-off request holds no count, an idle inferred branch ends, and
+``server.infer_branches = false`` leaves each request a branch of one."""
+
+import asyncio
+
+import pytest
+
+MODEL = "evinfra-fake"
+SYSTEM = "You are a coding agent. Use the tools to read and edit files. " * 4  # > 2 pages
+
+
+async def chat(client, messages, max_tokens=8):
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True})
+    assert r.status == 200, await r.text()
+    out = await r.json()
+    return messages + [{"role": "assistant", "content": out["choices"][0]["message"]["content"]}]
+
+
+def tool(messages, result):
+    return messages + [{"role": "user", "content": f"tool result: {result} " * 3}]
+
+
+def inferred(service):
+    """The live inferred branches and their requests' branch names, by counting."""
+    return {b for b in service.directory.branches.branches() if b in service.chains}
+
+
+def holds_counts(service):
+    d = service.directory
+    return any(d.branches.counts(d.index(n)) for n in service.nodes)
+
+
+async def test_an_agent_loop_is_one_branch_from_its_second_turn(client, service):
+    c = service.counters
+    turn = await chat(client, [{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": "fix the failing test"}])
+    # The first request is a branch of one: nothing counted once it is over.
+    assert c["requests_chained"] == 0 and not holds_counts(service)
+    turn = await chat(client, tool(turn, "test_x failed: KeyError"))
+    assert c["branches_inferred"] == 1 and c["requests_chained"] == 1
+    (branch,) = inferred(service)
+    for i in range(3):
+        turn = await chat(client, tool(turn, f"edited file {i}"))
+    assert inferred(service) == {branch}  # continued, not forked
+    assert c["branches_inferred"] == 1 and c["requests_chained"] == 4
+    assert any(service.branch_counts(branch).values())  # its KV is counted while it waits
+    assert service.directory.branches.version(branch) == 1  # appended only, no rewrite
+    r = await client.get("/v1/evinfra/status")
+    assert (await r.json())["inferred_branches"] == 1
+
+
+async def test_a_second_continuation_of_one_turn_forks(client, service):
+    base = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "plan"}]
+    turn = await chat(client, await chat(client, base))
+    (branch,) = inferred(service)
+    # Two continuations of the same turn at once (a harness forking its context).
+    await asyncio.gather(chat(client, tool(turn, "option a")), chat(client, tool(turn, "b")))
+    live = inferred(service)
+    assert branch in live and len(live) == 2  # the branch and its fork
+    assert service.counters["branches_inferred"] == 2
+
+
+async def test_unrelated_requests_hold_no_counts(client, service):
+    for i in range(4):
+        await chat(client, [{"role": "user", "content": f"question {i}: " + "why? " * 40}])
+    assert service.counters["requests_chained"] == 0
+    assert not inferred(service) and not holds_counts(service)
+    assert not service.directory.branches.branches()
+
+
+async def test_a_compaction_starts_a_new_chain(client, service):
+    turn = await chat(client, [{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": "long task"}])
+    turn = await chat(client, tool(turn, "step one done"))
+    (old,) = inferred(service)
+    # The history is replaced by a summary: the prompt extends no earlier request.
+    compacted = [{"role": "system", "content": SYSTEM},
+                 {"role": "user", "content": "summary of the work so far " * 4}]
+    turn = await chat(client, compacted)
+    turn = await chat(client, tool(turn, "resumed"))
+    live = inferred(service)
+    assert old in live and len(live) == 2  # the old chain waits for its idle limit
+
+
+@pytest.mark.parametrize("config_overrides", [{"server": {"inferred_branch_idle_s": 0.3}}])
+async def test_an_idle_inferred_branch_ends_and_its_tip_starts_anew(client, service):
+    turn = await chat(client, await chat(client, [{"role": "system", "content": SYSTEM},
+                                                   {"role": "user", "content": "go"}]))
+    (branch,) = inferred(service)
+    await asyncio.sleep(0.7)
+    assert branch not in service.directory.branches and not holds_counts(service)
+    assert service.counters["branches_expired"] == 1 and len(service.chains) == 0
+    await chat(client, tool(turn, "back after a long pause"))
+    (again,) = inferred(service)
+    assert again != branch and service.counters["branches_inferred"] == 2
+
+
+async def test_hints_win_and_forks_of_n_choices_stay_branches_of_one(client, service):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hinted"}]
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "max_tokens": 4}, headers={"X-Evinfra-Branch-Id": "h"})
+    assert r.status == 200
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs + [{"role": "user", "content": "more"}],
+        "max_tokens": 4, "n": 3})
+    assert r.status == 200
+    assert service.counters["requests_chained"] == 0  # hinted tips are not indexed
+    assert set(service.directory.branches.branches()) == {"h"}
+
+
+async def test_messages_api_requests_chain(client, service):
+    async def send(messages):
+        r = await client.post("/v1/messages", json={
+            "model": MODEL, "system": SYSTEM, "messages": messages, "max_tokens": 8})
+        assert r.status == 200, await r.text()
+        text = "".join(b["text"] for b in (await r.json())["content"] if b["type"] == "text")
+        return messages + [{"role": "assistant", "content": text}]
+
+    turn = await send([{"role": "user", "content": "list the files"}])
+    for i in range(2):
+        turn = await send(turn + [{"role": "user", "content": f"ls output {i} " * 5}])
+    assert len(inferred(service)) == 1 and service.counters["requests_chained"] == 2
+
+
+@pytest.mark.parametrize("config_overrides", [{"server": {"infer_branches": False}}])
+async def test_without_inference_each_request_is_a_branch_of_one(client, service):
+    turn = await chat(client, [{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": "go"}])
+    await chat(client, tool(turn, "done"))
+    assert service.chains is None and service.counters["requests_chained"] == 0
+    assert not service.directory.branches.branches() and not holds_counts(service)

@@ -265,12 +265,13 @@ class Service:
         if self.chains is None or parent is not None or final:
             return one, parent, True, None
         keys = self.chains.keys(tokens)
-        if not keys:
+        tip = self.chains.tip(keys, int(tokens.size))
+        if tip is None:
             return one, None, True, None
         found = self.chains.find(keys, self.directory.branches)
         if found.continues is not None:
-            return found.continues, None, False, keys[-1]
-        return one, found.fork_of, not found.chained, keys[-1]
+            return found.continues, None, False, tip
+        return one, found.fork_of, not found.chained, tip
 
     def abort(self, request: RequestId) -> None:
         """The client went away: stop the request everywhere, quietly."""

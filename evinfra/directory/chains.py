@@ -5,8 +5,8 @@ Code over the Messages API, agents over chat completions) send none, so each of 
 would be a branch of one and no count would protect the KV of an agent waiting for a tool.
 Their contexts show the chain anyway: an agent's next prompt is its last prompt plus the
 answer and the tool's result, so it *starts with* the last prompt. The index keeps, for each
-hint-less request, a key of its prompt's full pages (its *tip*), and a new hint-less request
-whose prompt has a tip among its own prefixes extends that request:
+hint-less request, a key of its prompt's full pages (its *tip*; the last token left out), and
+a new hint-less request whose prompt has a tip among its own prefixes extends that request:
 
 - the tip's branch, if the tip is still that branch's latest: the branch continues (E.1
   appends);
@@ -92,6 +92,14 @@ class ChainIndex:
         x += 1  # a zero token would weigh nothing: a page of them would not move the key
         x *= self._w[:n]  # wraps mod 2^64, as the sums below
         return np.cumsum(x.reshape(-1, p).sum(axis=1, dtype=np.uint64), dtype=np.uint64).tolist()
+
+    def tip(self, keys: list[int], size: int) -> int | None:
+        """The tip of a prompt of ``size`` tokens with these keys: the key of its last full
+        page before its last token (None: none). The last token is left out because the
+        next prompt's tokenizer may merge it with the answer that follows (a generation
+        prompt's newline, say)."""
+        k = (size - 1) // self.page_size
+        return keys[k - 1] if k else None
 
     def find(self, keys: list[int], live: Container[BranchId]) -> Inferred:
         """What a prompt with these keys extends: its longest prefix that is a tip (the

@@ -67,3 +67,17 @@ def test_the_oldest_tips_go_first_but_a_live_branchs_latest_stays():
     assert index.find(others[0], {"live"}) == Inferred(None, None, False)  # dropped
     assert index.find(others[-1], {"live"}) == Inferred(None, None, True)
     assert len(index._tips) == 3
+
+
+def test_the_tip_leaves_the_last_token_out():
+    index = ChainIndex(P)
+    keys = index.keys(toks(12))
+    assert index.tip(keys, 12) == keys[1]  # pages 0-1; page 2 holds the last token
+    assert index.tip(keys[:2], 9) == keys[1]
+    assert index.tip(keys[:1], 4) is None
+    # The next prompt's tokenizer merged the last token with the answer after it: still a
+    # continuation.
+    first = toks(8)
+    index.record(index.tip(index.keys(first), 8), None)
+    merged = np.concatenate([first[:7], toks(9)])
+    assert index.find(index.keys(merged), set()).chained

@@ -237,6 +237,25 @@ def test_responses(client):
     assert on.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens // 2
 
 
+def test_requests_without_hints_chain_into_one_branch(client, serve):
+    """An agent loop with no branch hints, through the model's own chat template and
+    tokenizer: from its second turn it is one inferred branch."""
+    before = _get(serve + "/v1/evinfra/status")[1]["counters"]
+    messages = [{"role": "system", "content": "You are a careful coding agent. " * 12},
+                {"role": "user", "content": "Find the failing test."}]
+    for i in range(3):
+        r = client.chat.completions.create(model=SERVED_NAME, messages=messages,
+                                           max_tokens=6, temperature=0)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                     {"role": "user", "content": f"Tool output {i}: 3 passed, 1 failed."}]
+    status = _get(serve + "/v1/evinfra/status")[1]
+    after = status["counters"]
+    assert after["requests_chained"] - before["requests_chained"] == 2
+    assert after["branches_inferred"] - before["branches_inferred"] == 1
+    assert status["inferred_branches"] >= 1
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_bad_request_is_a_clear_400(client):
     from openai import BadRequestError
 

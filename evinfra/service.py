@@ -65,7 +65,7 @@ class Submission(msgspec.Struct, frozen=True, gc=False):
     """uint32 numpy array."""
     sampling: Sampling
     branch: BranchId | None = None
-    """None: no hint; the branch is inferred (``server.infer_branches``) or is one of one."""
+    """None: no hint; the branch is inferred (``server.infer_branches``) or a branch of one."""
     parent: BranchId | None = None
     final: bool = False
     """The branch ends after this request (the harness said so)."""

@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--duration", type=float, default=3600.0, help="scored simulated seconds")
     s.add_argument("--warmup", type=float, default=1800.0, help="unscored simulated seconds first")
     s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--no-hints", action="store_true",
+                   help="the agents send no branch hints, as harnesses ship: the service "
+                        "infers their branches (server.infer_branches)")
     s.add_argument("--policy", choices=POLICIES,
                    help="the system to run (default: the config's [policy] name, evinfra)")
     s.add_argument("--out", required=True, help="directory for report.json, report.md, plots")
@@ -126,6 +129,7 @@ def with_policy(config: Config, name: str | None) -> Config:
 def run(args: argparse.Namespace) -> int:
     config = with_policy(load_config(args.config), args.policy)
     workloads, spec, load = build(args, config)
+    spec = msgspec.structs.replace(spec, hints=not args.no_hints)
     out = Path(args.out)
     try:  # before the run, which may take an hour, not after it
         out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     nodes = len(config.cluster.nodes)
     p = config.cluster.initial_prefill
     report = Report(RunInfo(spec.label, config.policy.name, args.seed, spec.warmup, spec.duration,
-                            nodes, f"{p}P{nodes - p}D", load),
+                            nodes, f"{p}P{nodes - p}D", load, spec.hints),
                     summary, result.control.summarise(start, end), by)
     write_report(out, report, result.records, result.wall_seconds)
     s = summary

@@ -42,6 +42,10 @@ class ControlSummary(msgspec.Struct, frozen=True):
     """``(time, "xPyD")`` each time the split served changed."""
     decision_log: list[tuple[float, str]]
     """``(time, reason)`` of every planner decision."""
+    branches_inferred: int = 0
+    """Branches the service inferred for requests without hints (``--no-hints``), whole run."""
+    requests_chained: int = 0
+    """Requests without hints that joined an inferred branch, whole run."""
 
 
 def _r(x: float) -> float:
@@ -111,4 +115,6 @@ class ControlRecorder:
             decisions=sum(1 for t, _ in self.decisions if start <= t < end),
             final_split=self._label(),
             split_timeline=list(self.timeline),
-            decision_log=[(t, r) for t, r in self.decisions if start <= t < end])
+            decision_log=[(t, r) for t, r in self.decisions if start <= t < end],
+            branches_inferred=self.service.counters["branches_inferred"],
+            requests_chained=self.service.counters["requests_chained"])

@@ -61,16 +61,19 @@ class _Sink:
 class SimBackend:
     """The :class:`~evinfra.workloads.Backend` of a simulation: requests go straight to the
     service, with a forced output length (``ignore_eos``), as the paper's replayer forces
-    recorded lengths."""
+    recorded lengths. Without ``hints`` they carry no branch hints, as from a harness that
+    sends none: the service infers their branches (``server.infer_branches``)."""
 
-    def __init__(self, service: Service, clock: VirtualClock) -> None:
+    def __init__(self, service: Service, clock: VirtualClock, hints: bool = True) -> None:
         self.service = service
         self.clock = clock
+        self.hints = hints
 
     def send(self, request: AgentRequest, done: Callable[[Outcome], None]) -> None:
-        sub = Submission(request.tokens, Sampling(request.max_tokens, ignore_eos=True),
-                         request.branch_id, request.parent_branch_id, request.final,
-                         request.request_id)
+        sampling = Sampling(request.max_tokens, ignore_eos=True)
+        sub = (Submission(request.tokens, sampling, request.branch_id, request.parent_branch_id,
+                          request.final, request.request_id) if self.hints
+               else Submission(request.tokens, sampling, request=request.request_id))
         try:
             self.service.submit(sub, _Sink(done))
         except EvinfraError as exc:
@@ -88,6 +91,8 @@ class RunSpec(msgspec.Struct, frozen=True, kw_only=True):
     arrivals: list[Arrival] | None = None
     max_active: int | None = None
     label: str = ""
+    hints: bool = True
+    """The agents send their branch hints (False: none; the service infers the branches)."""
 
 
 class SimResult(msgspec.Struct):
@@ -118,7 +123,7 @@ def simulate(config: Config, workloads: dict[str, Workload], spec: RunSpec,
         on_start(service)
     asyncio.run(service.start())  # the fake drivers only schedule on the clock
     end = spec.warmup + spec.duration
-    runner = Runner(SimBackend(service, clock), workloads, page_size=config.cluster.page_size,
+    runner = Runner(SimBackend(service, clock, spec.hints), workloads, page_size=config.cluster.page_size,
                     stop_at=end)
     if spec.schedule is not None:
         runner.closed_loop(spec.schedule)

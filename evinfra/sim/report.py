@@ -29,6 +29,8 @@ class RunInfo(msgspec.Struct, frozen=True):
     initial_split: str
     load: str
     """What played: ``closed: {workload: agents}`` per phase, or ``open: rate, cap``."""
+    hints: bool = True
+    """Whether the agents sent their branch hints (``--no-hints``: none)."""
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -56,6 +58,9 @@ def _markdown(r: Report, wall: float | None) -> str:
         f"{run.initial_split}; load {run.load}",
         f"- scored window {run.warmup:g}-{run.warmup + run.duration:g} s (warm-up excluded)",
     ]
+    if not run.hints:
+        lines.append(f"- the agents sent no branch hints: {c.branches_inferred} branches "
+                     f"inferred, {c.requests_chained} requests joined one")
     if wall:
         lines.append(f"- wall time {wall:.1f} s ({s.requests / wall:.0f} scored requests per "
                      "wall second)")

@@ -110,3 +110,14 @@ def test_serve_refuses_a_port_out_of_range(capsys):
         main(["serve", "--config", "etc/cluster.toml", "--port", "99999"])
     assert exit_.value.code == 2
     assert "--port: 99999 is not a port" in capsys.readouterr().err
+
+
+def test_agents_without_hints_get_their_branches_inferred(config, tmp_path):
+    r = simulate(config, tmp_path / "bare", "--workload", "cc", "--agents", "6", "--no-hints")
+    assert r["run"]["hints"] is False
+    c, s = r["control"], r["summary"]
+    # Each agent's first request is a branch of one; its later ones join one branch.
+    assert c["branches_inferred"] >= 6 and c["requests_chained"] >= s["requests"] // 2
+    assert "sent no branch hints" in (tmp_path / "bare" / "report.md").read_text()
+    hinted = simulate(config, tmp_path / "hinted", "--workload", "cc", "--agents", "6")
+    assert hinted["run"]["hints"] is True and hinted["control"]["requests_chained"] == 0

@@ -58,7 +58,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     (``evinfra/directory/chains.py``); false: each is a branch of one."""
     inferred_branch_idle_s: PosFloat = 1800.0
     """An inferred branch with no request for this long is ended: no harness reports its end
-    or its compaction, so its counts must not outlive a pause much."""
+    or its compaction. Much shorter ends agents' branches during their pauses (measure with
+    ``evinfra simulate --no-hints``)."""
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

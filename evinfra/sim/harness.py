@@ -123,8 +123,8 @@ def simulate(config: Config, workloads: dict[str, Workload], spec: RunSpec,
         on_start(service)
     asyncio.run(service.start())  # the fake drivers only schedule on the clock
     end = spec.warmup + spec.duration
-    runner = Runner(SimBackend(service, clock, spec.hints), workloads, page_size=config.cluster.page_size,
-                    stop_at=end)
+    runner = Runner(SimBackend(service, clock, spec.hints), workloads,
+                    page_size=config.cluster.page_size, stop_at=end)
     if spec.schedule is not None:
         runner.closed_loop(spec.schedule)
     elif spec.arrivals is not None:

@@ -172,8 +172,10 @@ class _Admin:
 
     async def branch(self, request: web.Request) -> web.Response:
         branch = request.match_info["branch"]
+        chains = self.service.chains
         return web.json_response({"branch": branch,
-                                  "counted_blocks": self.service.branch_counts(branch)})
+                                  "counted_blocks": self.service.branch_counts(branch),
+                                  "inferred": chains is not None and branch in chains})
 
 
 def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:

@@ -51,6 +51,9 @@ async def test_an_agent_loop_is_one_branch_from_its_second_turn(client, service)
     assert service.directory.branches.version(branch) == 1  # appended only, no rewrite
     r = await client.get("/v1/evinfra/status")
     assert (await r.json())["inferred_branches"] == 1
+    r = await client.get(f"/v1/branches/{branch}")
+    view = await r.json()
+    assert view["inferred"] and sum(view["counted_blocks"].values()) > 0
 
 
 async def test_a_second_continuation_of_one_turn_forks(client, service):
@@ -110,6 +113,8 @@ async def test_hints_win_and_forks_of_n_choices_stay_branches_of_one(client, ser
     assert r.status == 200
     assert service.counters["requests_chained"] == 0  # hinted tips are not indexed
     assert set(service.directory.branches.branches()) == {"h"}
+    r = await client.get("/v1/branches/h")
+    assert (await r.json())["inferred"] is False
 
 
 async def test_messages_api_requests_chain(client, service):

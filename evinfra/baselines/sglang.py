@@ -34,6 +34,7 @@ from typing import Sequence
 
 import msgspec
 
+from evinfra.core.hashing import held_prefix
 from evinfra.core.types import BlockHash, NodeId, NonNegFloat, PosFloat, PosInt, RequestId
 from evinfra.router.strategy import DecodeOption, RouteView
 from evinfra.router.ttft import Prediction
@@ -69,16 +70,8 @@ class ApproximateTree:
         return len(self.pages) * self.page_size
 
     def match(self, path: Sequence[BlockHash]) -> int:
-        """Leading pages of ``path`` in the tree (a binary search: prefix-closed)."""
-        held = self.pages
-        lo, hi = 0, len(path)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if path[mid - 1] in held:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """Leading pages of ``path`` in the tree (prefix-closed)."""
+        return held_prefix(path, self.pages)
 
     def insert(self, path: Sequence[BlockHash], now: float) -> None:
         pages = self.pages

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Sequence
+from typing import Container, Sequence
 
 import numpy as np
 
 from evinfra.core.types import BlockHash
 
 __all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "chain_digests",
-           "digests_to_hashes"]
+           "digests_to_hashes", "held_prefix"]
 
 _U32_LE = np.dtype("<u4")
 _HASH_WORDS = np.dtype(">i8")  # a digest read as big-endian int64 words; the first is the hash
@@ -68,6 +68,25 @@ def block_hashes(
     arr = as_tokens(tokens)
     n = arr.size // page_size
     return digests_to_hashes(b"".join(chain_digests(arr.tobytes(), page_size * 4, n, prior_digest)))
+
+
+def held_prefix(path: Sequence[BlockHash], held: Container[BlockHash],
+                limit: int | None = None) -> int:
+    """Leading blocks of ``path[:limit]`` in ``held``, a prefix-closed set of blocks (each
+    with its parent: a cache that evicts leaves first), by binary search."""
+    n = len(path) if limit is None else min(limit, len(path))
+    if n == 0 or path[0] not in held:
+        return 0
+    if path[n - 1] in held:
+        return n
+    lo, hi = 1, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if path[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class HashedPath:

@@ -111,3 +111,14 @@ def test_token_ids_must_fit_uint32() -> None:
         block_hashes([-1, 2, 3, 4], 4)
     with pytest.raises(ValueError):
         block_hashes([2**32, 2, 3, 4], 4)
+
+
+def test_held_prefix_searches_a_prefix_closed_set():
+    from evinfra.core.hashing import held_prefix
+
+    path = list(range(10))
+    for k in range(11):
+        held = set(path[:k]) | {99}
+        assert held_prefix(path, held) == k
+        assert held_prefix(path, held, 4) == min(k, 4)
+    assert held_prefix([], {1}) == 0

@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from evinfra.core.events import BlockRemoved, BlockStored, KVEvent
+from evinfra.core.hashing import held_prefix
 from evinfra.core.types import BlockHash, Tier
 from evinfra.directory.branches import HintDelta
 from evinfra.directory.eviction import HostEvictionOrder
@@ -132,21 +133,8 @@ class NodeCache:
     # -- queries ----------------------------------------------------------------------------
 
     def prefix(self, path: Sequence[BlockHash], limit: int | None = None) -> int:
-        """Longest prefix of ``path[:limit]`` held in any tier (a binary search: prefix-closed)."""
-        n = len(path) if limit is None else min(limit, len(path))
-        held = self._seg_of
-        if n == 0 or path[0] not in held:
-            return 0
-        if path[n - 1] in held:
-            return n
-        lo, hi = 1, n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if path[mid - 1] in held:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """Longest prefix of ``path[:limit]`` held in any tier (the tree is prefix-closed)."""
+        return held_prefix(path, self._seg_of, limit)
 
     def tier_prefix(self, path: Sequence[BlockHash], k: int, tier: Tier) -> int:
         """Longest prefix of ``path[:k]`` in ``tier``, where ``path[:k]`` is held."""

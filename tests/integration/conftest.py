@@ -1,4 +1,5 @@
-"""Fixtures that start real SGLang engines (``sglang_cpu/engines.py``) and evinfra in front.
+"""Fixtures that start real SGLang engines (``sglang_cpu/engines.py``) and evinfra in front,
+and ``evinfra serve`` on fast fake engines (``fake_serve``).
 
 The engines need the separate SGLang venv of ``scripts/install-sglang-cpu.sh``. Without it the
 ``sglang`` tests are skipped, unless ``EVINFRA_SGLANG_REQUIRED=1`` (``make test`` sets it), in
@@ -12,17 +13,81 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator, NamedTuple
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "sglang_cpu"))
 
-from engines import PAGE_SIZE, SERVED_NAME, Engine, sglang_python  # noqa: E402
+from engines import PAGE_SIZE, SERVED_NAME, Engine, free_port, sglang_python  # noqa: E402
 from tiny_model import write_model_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_SERVE = """
+[server]
+port = {port}
+shutdown_grace_s = 3.0
+[cluster]
+nodes = [{{ name = "n0" }}, {{ name = "n1" }}, {{ name = "n2" }}]
+initial_prefill = 1
+[fake]
+c0 = 0.002
+c1 = 1e-6
+d0 = 0.002
+d1 = 0.002
+d2 = 1e-5
+"""
+
+
+class FakeServe(NamedTuple):
+    proc: subprocess.Popen
+    base: str
+    log: Path
+    """The server's JSON log (its stdout and stderr)."""
+
+
+@pytest.fixture(scope="module")
+def fake_serve(tmp_path_factory) -> Iterator[FakeServe]:
+    """``evinfra serve`` on three fast fake engines at a free loopback port, once ready;
+    stopped at the module's end."""
+    port = free_port()
+    d = tmp_path_factory.mktemp("serve")
+    cfg, log = d / "cluster.toml", d / "serve.log"
+    cfg.write_text(FAKE_SERVE.format(port=port))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "evinfra.cli", "serve", "--config",
+                                 str(cfg), "--log-format", "json"], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/ready", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        proc.wait()
+        pytest.fail("evinfra serve did not become ready: " + log.read_text()[-3000:])
+    yield FakeServe(proc, base, log)
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _require_sglang() -> None:

@@ -10,29 +10,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = """
-[server]
-port = {port}
-shutdown_grace_s = 3.0
-[cluster]
-nodes = [{{ name = "n0" }}, {{ name = "n1" }}, {{ name = "n2" }}]
-initial_prefill = 1
-[fake]
-c0 = 0.002
-c1 = 1e-6
-d0 = 0.002
-d1 = 0.002
-d2 = 1e-5
-"""
 
 
 def _free_port() -> int:
@@ -56,33 +39,8 @@ def follow_ups(lines: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory):
-    port = _free_port()
-    cfg = tmp_path_factory.mktemp("serve") / "cluster.toml"
-    cfg.write_text(FAST.format(port=port))
-    proc = subprocess.Popen([sys.executable, "-m", "evinfra.cli", "serve", "--config", str(cfg),
-                             "--log-format", "json"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/ready", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("evinfra serve did not become ready")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def serve(fake_serve):
+    return fake_serve.base
 
 
 def test_cc_against_evinfra_serve_every_request_answered_and_reused(serve, tmp_path):

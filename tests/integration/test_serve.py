@@ -2,36 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
-
-import json
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-FAST = """
-[server]
-port = {port}
-shutdown_grace_s = 3.0
-[cluster]
-nodes = [{{ name = "n0" }}, {{ name = "n1" }}, {{ name = "n2" }}]
-initial_prefill = 1
-[fake]
-c0 = 0.002
-c1 = 1e-6
-d0 = 0.002
-d1 = 0.002
-d2 = 1e-5
-"""
 
 
 def get(url: str) -> tuple[int, str]:
@@ -52,41 +32,9 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = _free_port()
-    cfg = tmp_path_factory.mktemp("serve") / "cluster.toml"
-    cfg.write_text(FAST.format(port=port))
-    proc = subprocess.Popen([sys.executable, "-m", "evinfra.cli", "serve", "--config", str(cfg),
-                             "--log-format", "json"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if get(base + "/ready")[0] == 200:
-                break
-        except OSError:
-            pass
-        time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail("server did not become ready: " + proc.communicate()[0][-3000:])
-    yield proc, base
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    _, base = server
+def client(fake_serve):
+    base = fake_serve.base
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
 
@@ -124,8 +72,8 @@ def test_second_request_of_a_branch_reuses_its_prefix(client):
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_metrics_and_status_reflect_the_traffic(server, client):
-    _, base = server
+def test_metrics_and_status_reflect_the_traffic(fake_serve, client):
+    base = fake_serve.base
     # A prompt of more than one page (64 byte tokens): its KV is blocks in the directory.
     client.completions.create(model="evinfra-fake", prompt="metrics please " * 10, max_tokens=3)
     metrics = get(base + "/metrics")[1]
@@ -138,8 +86,8 @@ def test_metrics_and_status_reflect_the_traffic(server, client):
     assert set(status["nodes"]) == {"n0", "n1", "n2"}
 
 
-def test_forced_split_over_http(server, client):
-    _, base = server
+def test_forced_split_over_http(fake_serve, client):
+    base = fake_serve.base
     code, out = post(base + "/v1/evinfra/split", {"prefill": ["n1"]})
     assert code == 200 and out["split"] == "1P2D"
     deadline = time.monotonic() + 10
@@ -154,11 +102,11 @@ def test_forced_split_over_http(server, client):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_is_aborted_quietly(server, stream):
+def test_a_client_that_disconnects_is_aborted_quietly(fake_serve, stream):
     """A client that goes away mid-stream, or before its whole answer, is an everyday event:
     its request is aborted on the engines (not computed for no one), and the server logs no
     traceback for it (checked at shutdown, below)."""
-    _, base = server
+    base = fake_serve.base
     port = int(base.rsplit(":", 1)[1])
     body = json.dumps({"model": "evinfra-fake", "prompt": "tell me a long story",
                        "max_tokens": 2000, "ignore_eos": True, "stream": stream}).encode()
@@ -187,11 +135,12 @@ def test_a_client_that_disconnects_is_aborted_quietly(server, stream):
     assert status["counters"]["aborted"] == before + 1 and status["in_flight"] == 0
 
 
-def test_sigterm_shuts_down_cleanly_within_the_grace(server, client):
-    proc, base = server
+def test_sigterm_shuts_down_cleanly_within_the_grace(fake_serve, client):
+    proc = fake_serve.proc
     os.kill(proc.pid, signal.SIGTERM)
     t0 = time.monotonic()
-    out, _ = proc.communicate(timeout=15)
+    proc.wait(timeout=15)
+    out = fake_serve.log.read_text()
     assert proc.returncode == 0, out[-2000:]
     assert time.monotonic() - t0 < 10
     assert '"stopped"' in out

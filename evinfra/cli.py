@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--token-range", default="1000:32000",
                    help="LOW:HIGH ids of synthesized tokens; fit the target's vocabulary")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-hints", action="store_true",
+                   help="send no branch hints (X-Evinfra-*), as harnesses ship")
     r.add_argument("--out", required=True, help="directory for requests.jsonl and summary.json")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")

@@ -12,8 +12,9 @@ prefix structure the workload defines reaches the target exactly; ``max_tokens``
 TTFT and ``usage.prompt_tokens_details.cached_tokens``; ``return_token_ids`` (vLLM >= 0.10.2,
 recent SGLang, evinfra) so the next prompt carries the exact output ids; ``temperature`` 0.
 Branch hints go as ``X-Evinfra-Branch-Id``, ``X-Evinfra-Parent-Branch-Id`` (a branch's first
-request) and ``X-Evinfra-Branch-Final: true``, with ``X-Request-Id``; targets that do not know
-them ignore headers. A target that rejects an optional field (a 400/422 naming
+request) and ``X-Evinfra-Branch-Final: true``, with ``X-Request-Id`` (``hints=False``: only
+``X-Request-Id``, as from a harness that sends none); targets that do not know them ignore
+headers. A target that rejects an optional field (a 400/422 naming
 ``ignore_eos``, ``return_token_ids`` or ``stream_options``) gets the request again without it,
 and no later request carries it.
 
@@ -335,7 +336,8 @@ class HttpBackend:
 
     def __init__(self, session: aiohttp.ClientSession, clock: Clock, *, base_url: str,
                  model: str, api: Api = "completions", api_key: str | None = None,
-                 timeout: float = 600.0, space: TokenSpace = DEFAULT_SPACE) -> None:
+                 timeout: float = 600.0, space: TokenSpace = DEFAULT_SPACE,
+                 hints: bool = True) -> None:
         self.session = session
         self.clock = clock
         self.url = base_url.rstrip("/") + ("/v1/chat/completions" if api == "chat"
@@ -344,6 +346,7 @@ class HttpBackend:
         self.api: Api = api
         self.timeout = timeout
         self.space = space
+        self.hints = hints
         self.headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -404,6 +407,8 @@ class HttpBackend:
     def request_headers(self, request: AgentRequest) -> dict[str, str]:
         headers = dict(self.headers)
         headers["X-Request-Id"] = request.request_id
+        if not self.hints:
+            return headers
         headers["X-Evinfra-Branch-Id"] = request.branch_id
         if request.parent_branch_id is not None:
             headers["X-Evinfra-Parent-Branch-Id"] = request.parent_branch_id

@@ -90,6 +90,8 @@ class Plan(msgspec.Struct, kw_only=True):
     out: Path
     progress: bool
     settings: dict
+    hints: bool = True
+    """Send the branch hints (``--no-hints``: none, as a harness that sends none)."""
 
 
 def _target(url: str) -> str:
@@ -182,7 +184,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                 max_active=args.max_active, finite_until=finite_until, duration=args.duration,
                 speedup=args.speedup, timeout=args.timeout, grace=args.grace,
                 page_size=args.page_size, space=space, connections=connections,
-                out=Path(args.out), progress=not args.no_progress, settings=settings)
+                out=Path(args.out), progress=not args.no_progress, settings=settings,
+                hints=not args.no_hints)
 
 
 def _scaled(schedule: list[Phase], agents: int) -> list[Phase]:
@@ -396,7 +399,8 @@ async def replay(plan: Plan, *, stop: asyncio.Event | None = None,
         model = await probe(session, plan)
         clock = RunClock()
         backend = HttpBackend(session, clock, base_url=plan.target, model=model, api=plan.api,
-                              api_key=plan.api_key, timeout=plan.timeout, space=plan.space)
+                              api_key=plan.api_key, timeout=plan.timeout, space=plan.space,
+                              hints=plan.hints)
         writer = RecordWriter(plan.out / "requests.jsonl", backend)
         end = plan.duration / plan.speedup
         runner = Runner(backend, plan.workloads, page_size=plan.page_size, stop_at=end,

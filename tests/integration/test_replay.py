@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,27 @@ def test_cc_against_evinfra_serve_every_request_answered_and_reused(serve, tmp_p
     meta = json.loads((out / "replay.json").read_text())
     assert meta["model"] == "evinfra-fake" and meta["dropped_fields"] == []
     assert meta["runner"]["sent"] == len(lines) and meta["replayed_s"] == 60.0
+
+
+def status(base: str) -> dict:
+    with urllib.request.urlopen(base + "/v1/evinfra/status", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_without_hints_the_server_infers_the_branches(serve, tmp_path):
+    before = status(serve)["counters"]
+    out = tmp_path / "bare"
+    done = replay("--target", serve, "--workload", "cc", "--agents", "4", "--duration", "40",
+                  "--speedup", "20", "--out", str(out), "--no-progress", "--no-hints")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = rows(out)
+    assert lines and all(r["status"] == "ok" for r in lines)
+    after = status(serve)["counters"]
+    # A branch's follow-ups join its inferred branch (a compaction's would start a new one).
+    follow = follow_ups(lines)
+    assert follow and after["requests_chained"] - before["requests_chained"] >= len(follow) // 2
+    assert after["branches_inferred"] - before["branches_inferred"] >= 4
+    assert json.loads((out / "replay.json").read_text())["settings"]["no_hints"] is True
 
 
 # ---- a target that fails -------------------------------------------------------------------

@@ -235,7 +235,8 @@ def args(tmp_path: Path, url: str, **kw) -> argparse.Namespace:
     base = dict(target=url, api_key=None, workload=None, trace=None, format="mooncake",
                 agents=None, arrival_rate=None, max_active=None, duration=10.0, speedup=1.0,
                 model=None, api="completions", timeout=600.0, grace=30.0, page_size=64,
-                token_range="1000:32000", seed=0, out=str(tmp_path / "out"), no_progress=True)
+                token_range="1000:32000", seed=0, out=str(tmp_path / "out"), no_progress=True,
+                no_hints=False)
     base.update(kw)
     return argparse.Namespace(**base)
 

@@ -224,7 +224,9 @@ class Service:
             branch, parent, final, tip = sub.branch, sub.parent, sub.final, None
         else:
             branch, parent, final, tip = self._infer(rid, tokens, sub.parent, sub.final)
-        new = branch not in self.directory.branches
+        # A hint-less request's branch is its own if this request starts it (nothing else
+        # knows it then).
+        own = sub.branch is None and branch not in self.directory.branches
         f = _Flight(rid, branch, final, tokens, sub.sampling, sink, now)
         decision = self.router.route(
             RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, parent, final), now)
@@ -232,7 +234,7 @@ class Service:
             self.counters["refused"] += 1
             self.router.finished(rid, now)
             if branch in self.directory.branches:
-                if new and sub.branch is None:  # the request's own: nothing else knows it
+                if own:
                     self.directory.end(branch)
                 elif not self._active[branch]:
                     self._idle_from(branch, now)
@@ -242,7 +244,7 @@ class Service:
             self.chains.record(tip, None if final else branch)
             if not final:
                 self.counters["requests_chained"] += 1
-                self.counters["branches_inferred"] += new
+                self.counters["branches_inferred"] += own
         self.counters["submitted"] += 1
         self._flights[rid] = f
         self._active[branch] += 1

@@ -56,7 +56,6 @@ class LogprobReader:
         self.sampled.extend(logprobs.sampled)
         self.top.extend(logprobs.top)
 
-
     def _take(self, ids: Sequence[int]) -> range:
         span = range(self._at, self._at + len(ids))
         if span.stop > len(self.sampled):

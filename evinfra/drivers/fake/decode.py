@@ -68,11 +68,11 @@ class DecodeSide:
         """Reserve (FCFS) as GPU room allows: first the preallocations of ``decode_prealloc``
         (SGLang PD reserves before the prefill and the source waits for it, paper D.1), then
         the transfers of requests whose KV is ready (evinfra reserves only now, after the
-        prefill)."""
+        prefill). A request whose size (the GPU room it takes) exceeds the GPU fails."""
         while self._prealloc:
             d = self._prealloc[0]
-            need, ok = self._reserve(d, now)
-            if need > self.cache.l1_capacity:
+            size, ok = self._reserve(d, now)
+            if size > self.cache.l1_capacity:
                 self._too_big(d, now)
                 continue
             if not ok:
@@ -82,11 +82,11 @@ class DecodeSide:
             self.cluster.decode_reserved(d.request, d.source)
         while self._room_wait:
             d = self._room_wait[0]
-            if d.source == self.node:
-                need, ok = len(d.out), self._take_over(d, now)
+            if d.source == self.node:  # its input is pinned here already
+                size, ok = len(d.out), self._take_over(d, now)
             else:
-                need, ok = self._start_transfer(d, now)
-            if need > self.cache.l1_capacity:
+                size, ok = self._start_transfer(d, now)
+            if size > self.cache.l1_capacity:
                 self._too_big(d, now)
                 continue
             if not ok:
@@ -111,10 +111,10 @@ class DecodeSide:
         return True
 
     def _start_transfer(self, d: DecodeRecord, now: float) -> tuple[int, bool]:
-        need, ok = self._reserve(d, now)
+        size, ok = self._reserve(d, now)
         if ok:
             self._transfer(d, now)
-        return need, ok
+        return size, ok
 
     def _reserve(self, d: DecodeRecord, now: float) -> tuple[int, bool]:
         """GPU room for the blocks this node's GPU lacks and the output. Its L1 prefix is

@@ -5,12 +5,15 @@ request as ``serving.py`` does for every dialect (hints, submission, output text
 reading); this module writes OpenAI's answers and chunks. ``usage`` reports
 ``prompt_tokens_details.cached_tokens``: the input tokens whose KV the request reused.
 Log-probabilities (``logprobs.py``) come in each chunk for its tokens.
-``n`` choices are ``n`` requests at the service: choice 0 and forks of its branch.
+``n`` choices are ``n`` requests at the service: choice 0 and forks of its branch; a
+completion's ``best_of`` candidates likewise, ranked by log-probability per token once all
+are done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -71,10 +74,34 @@ def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tok
     return tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs)
 
 
-def _refuse_unserved(body: CompletionRequest) -> None:
-    unserved = body.unserved()
-    if unserved:
-        raise RequestError(f"{unserved[0]} is not supported by this server", param=unserved[0])
+def _candidates(body: CompletionRequest) -> int:
+    """How many choices a completion samples (``best_of``), its options checked."""
+    if body.echo and body.logprobs is not None:
+        raise RequestError("echo with logprobs is not supported by this server: the engines "
+                           "do not report the prompt's log-probabilities", param="echo")
+    best = body.best_of or body.n
+    if best < body.n:
+        raise RequestError("best_of must be at least n", param="best_of")
+    if best > body.n and body.stream:
+        raise RequestError("best_of greater than n cannot be streamed", param="best_of")
+    return best
+
+
+def _echo(body: CompletionRequest, tokens: np.ndarray, tok: Tokenizer) -> str:
+    """The prompt's text, for ``echo`` (token ids are decoded)."""
+    if not body.echo:
+        return ""
+    p = body.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    return p if isinstance(p, str) else tok.decode(tokens.tolist())
+
+
+def _per_token(sample: Sample) -> float:
+    """A candidate's mean log-probability per output token (``best_of``'s rank); one that
+    reported none ranks last."""
+    sampled = sample.logprobs.sampled
+    return math.fsum(sampled) / len(sampled) if sampled else -math.inf
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -149,9 +176,10 @@ class OpenAIRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
-        _refuse_unserved(body)
+        candidates = _candidates(body)
         tokens = _prompt_tokens(body, self.tok)
-        return await self._serve(request, body, tokens, body.max_tokens, chat=False)
+        return await self._serve(request, body, tokens, body.max_tokens, chat=False,
+                                 candidates=candidates, echo=_echo(body, tokens, self.tok))
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
                max_tokens: int | None, chat: bool, schema: str | None) -> Sampling:
@@ -169,8 +197,11 @@ class OpenAIRoutes:
     async def _serve(self, request: web.Request, body, tokens: np.ndarray,
                      max_tokens: int | None, *, chat: bool,
                      reader: Callable[[], ChatOutput] | None = None,
-                     schema: str | None = None) -> web.StreamResponse:
+                     schema: str | None = None, candidates: int | None = None,
+                     echo: str = "") -> web.StreamResponse:
         """``reader`` makes how a chat output is read (None: all content), one per choice.
+        A completion samples ``candidates`` choices (``best_of``; None: ``n``) and starts
+        each choice's text with ``echo``.
 
         Choice 0 is the request on its branch. With ``n`` > 1 the others are forks of that
         branch, each a branch of one (the harness continues its branch with the choice it
@@ -180,10 +211,13 @@ class OpenAIRoutes:
         sampling = self._check(body, tokens, max_tokens, chat, schema)
         hints = read_hints(request, body.evinfra)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        count = candidates or body.n
+        if count > body.n and sampling.logprobs is None:  # the rank reads them
+            sampling = msgspec.structs.replace(sampling, logprobs=0)
         k = sampling.logprobs
         samples = [Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None,
                           LogprobReader(self.tok, k) if k is not None else None)
-                   for i in range(body.n)]
+                   for i in range(count)]
         self.service.submit(Submission(tokens, sampling, hints.branch_id,
                                        hints.parent_branch_id, hints.final, rid),
                             samples[0].channel)
@@ -197,13 +231,14 @@ class OpenAIRoutes:
 
         stops = stop_strings(body.stop)
         streams = [outputs(self.service, self.tok, s, stops,
-                           fork if s.index == 0 and body.n > 1 else None)
+                           fork if s.index == 0 and count > 1 else None)
                    for s in samples]
         try:
             prompt = int(tokens.size)
             if body.stream:
-                return await self._stream(request, rid, body, samples, streams, chat, prompt)
-            return await self._whole(rid, body, samples, streams, chat, prompt)
+                return await self._stream(request, rid, body, samples, streams, chat, prompt,
+                                          echo)
+            return await self._whole(rid, body, samples, streams, chat, prompt, echo)
         finally:
             # The answer is out, the client went away or a choice failed: no choice still
             # running is wanted now (a finished one is not aborted).
@@ -211,7 +246,8 @@ class OpenAIRoutes:
                 self.service.abort(s.rid)
 
     def _usage(self, samples: list[Sample], prompt: int) -> dict:
-        """The prompt counts once (its KV is shared); the completions of every choice."""
+        """The prompt counts once (its KV is shared); the completions of every choice (of
+        every ``best_of`` candidate)."""
         record = samples[0].record
         cached = record.cached_tokens if record is not None else 0
         completion = sum(len(s.ids) for s in samples)
@@ -220,24 +256,30 @@ class OpenAIRoutes:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,
-                     prompt: int) -> web.Response:
+                     prompt: int, echo: str) -> web.Response:
         if len(samples) == 1:
-            choices = [await self._whole_choice(body, samples[0], streams[0], chat)]
+            choices = [await self._whole_choice(body, samples[0], streams[0], chat, echo)]
         else:
             # Each choice is read as its output comes, so a stop string ends it at once.
-            tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat))
+            tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat, echo))
                      for s, o in zip(samples, streams)]
             try:
                 choices = await asyncio.gather(*tasks)
             finally:
                 for t in tasks:
                     t.cancel()
+        if len(samples) > body.n:  # best_of: the n best candidates, best first
+            best = sorted(samples, key=_per_token, reverse=True)[:body.n]
+            choices = [{**choices[s.index], "index": i} for i, s in enumerate(best)]
+            if body.logprobs is None:  # read for the rank only
+                for c in choices:
+                    c["logprobs"] = None
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.model.name, "choices": choices,
             "usage": self._usage(samples, prompt)})
 
-    async def _whole_choice(self, body, sample: Sample, stream, chat: bool) -> dict:
+    async def _whole_choice(self, body, sample: Sample, stream, chat: bool, echo: str) -> dict:
         reasoning, content, finish = await whole(sample, stream)
         message: dict = {"role": "assistant"}
         out = sample.out
@@ -253,13 +295,14 @@ class OpenAIRoutes:
         logprobs = _logprobs_of(sample.logprobs, sample.ids, chat)
         choice = ({"index": i, "message": message, "finish_reason": finish,
                    "logprobs": logprobs} if chat else
-                  {"index": i, "text": content, "finish_reason": finish, "logprobs": logprobs})
+                  {"index": i, "text": echo + content, "finish_reason": finish,
+                   "logprobs": logprobs})
         if body.return_token_ids:
             choice["token_ids"] = sample.ids
         return choice
 
     async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
-                      streams: list, chat: bool, prompt: int) -> web.StreamResponse:
+                      streams: list, chat: bool, prompt: int, echo: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         created = int(time.time())
@@ -314,6 +357,8 @@ class OpenAIRoutes:
 
             if chat:
                 yield chunk(sample, "", None, role=True)
+            elif echo:
+                yield chunk(sample, echo, None)
             if item is None:
                 item = await stream.__anext__()
             while item[0] == "text":

@@ -2,8 +2,8 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
-give (``echo``, ``best_of``) are refused; wrong types and out-of-range values are 400s that
-name the field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
+give (``echo`` with ``logprobs``: the prompt's log-probabilities) are refused; wrong types
+and out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
 """
 
 from __future__ import annotations
@@ -139,14 +139,11 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     """Each output token's log-probability, with that many most likely tokens at each
     position (0-20), in ``choices[].logprobs``."""
     echo: bool = False
-    """Not served, as ``best_of`` > 1 (refused): a client asking for them would read an
-    answer without them as one that has them."""
-    best_of: int | None = None
-
-    def unserved(self) -> list[str]:
-        """The fields that ask for what this server does not give."""
-        return [f for f, asked in (("echo", self.echo),
-                                   ("best_of", (self.best_of or 1) > 1)) if asked]
+    """Each choice's text starts with the prompt's. Not with ``logprobs``: the engines do
+    not report the prompt's log-probabilities (refused, not answered without them)."""
+    best_of: Choices | None = None
+    """Candidates sampled (at least ``n``; ``n`` when not given), of which the ``n`` with the
+    highest log-probability per token are returned; more than ``n`` cannot be streamed."""
 
 
 class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

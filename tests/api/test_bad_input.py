@@ -103,15 +103,14 @@ async def test_batched_prompts_and_n_out_of_range_are_refused(client):
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/completions", "echo", True), ("/v1/completions", "best_of", 2),
     (CHAT, "response_format", {"type": "json_object"}),
     (CHAT, "response_format", {"type": "json_schema",
                                "json_schema": {"name": "x", "schema": {"type": "object"}}}),
     (CHAT, "tool_choice", "required")])
 async def test_options_this_server_does_not_serve_are_refused(client, path, field, value):
-    """An answer without the echo (or the JSON, with engines that cannot hold an output to
-    it) it was asked for would read as one that has it: refused, where unknown fields are
-    ignored."""
+    """An answer without the JSON (or the forced call) it was asked for, from engines that
+    cannot hold an output to it, would read as one that has it: refused, where unknown fields
+    are ignored (``test_completion_options.py``: completions' ``echo`` with ``logprobs``)."""
     what = {"messages": MSG} if path == CHAT else {"prompt": "hi"}
     if field == "tool_choice":
         what["tools"] = [{"type": "function", "function": {"name": "f"}}]

@@ -138,6 +138,18 @@ def test_n_choices(client):
     assert r.choices[0].text == r.choices[1].text  # identical dummy weights, temperature 0
 
 
+def test_best_of_and_echo(client):
+    """Two candidates, ranked by the log-probabilities the engines report for them (not
+    asked for by the client, so not returned); the best one after the prompt's text; both
+    billed."""
+    r = client.completions.create(model=SERVED_NAME, prompt="Count to five.", best_of=2,
+                                  echo=True, max_tokens=4, temperature=1.0, seed=3,
+                                  extra_body={"ignore_eos": True})
+    assert len(r.choices) == 1 and r.choices[0].text.startswith("Count to five.")
+    assert r.choices[0].logprobs is None and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+
+
 def test_logprobs(client):
     """The decode engine's log-probabilities, one per output token, whole and streamed; at
     temperature 0 the sampled token is the most likely one."""

@@ -55,6 +55,24 @@ def test_bad_events_are_counted_logged_and_harmless(d: Directory, logs) -> None:
     assert d.match([7, 8]).own == [2, 0, 0]
 
 
+def test_one_removal_event_mixing_every_case(d: Directory, logs) -> None:
+    """Blocks kept in the other tier, lost on the node, freed everywhere, never held, and
+    listed twice, in one event: each gets its own outcome."""
+    d.apply("a", stored([1, 2, 3, 4]), 0.0)
+    d.apply("a", stored([1, 2], "CPU_PINNED"), 0.0)
+    d.apply("b", stored([1, 2, 3]), 0.0)
+    lost = d.tree.remove(0, [1, 3, 99, 4, 3], "GPU")
+    assert lost == [3, 4]  # 1 stays in host memory; 99 was never there; 3 goes once
+    assert d.tree.tiers(1, 0) == {Tier.L2} and not d.tree.holds(3, 0)
+    assert 4 not in d.tree and 3 in d.tree  # b still holds 3; nobody holds 4
+    assert d.tree.stats.unknown_removal == 2 and d.tree.stats.blocks_removed == 3
+    assert sorted(e.get("block") for e in logs if e["problem"] == "unknown_removal") == [3, 99]
+    d.check_invariants()
+    d.apply("c", stored([4, 5]), 1.0)  # the freed slot serves a new block
+    assert d.match([4, 5]).own == [0, 0, 2]
+    d.check_invariants()
+
+
 def test_all_blocks_cleared_and_node_loss(d: Directory) -> None:
     path = d.step("x", list(range(8))).path.hashes
     d.place("x", "b")

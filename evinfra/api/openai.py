@@ -98,9 +98,10 @@ def _echo(body: CompletionRequest, tokens: np.ndarray, tok: Tokenizer) -> str:
 
 
 def _per_token(sample: Sample) -> float:
-    """A candidate's mean log-probability per output token (``best_of``'s rank); one that
-    reported none ranks last."""
-    sampled = sample.logprobs.sampled
+    """A candidate's mean log-probability per output token it returns (a stop string may
+    end it before tokens the engine reported): ``best_of``'s rank. An empty one ranks
+    last."""
+    sampled = sample.logprobs.sampled[:len(sample.ids)]
     return math.fsum(sampled) / len(sampled) if sampled else -math.inf
 
 

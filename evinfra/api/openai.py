@@ -7,7 +7,8 @@ reading); this module writes OpenAI's answers and chunks. ``usage`` reports
 Log-probabilities (``logprobs.py``) come in each chunk for its tokens.
 ``n`` choices are ``n`` requests at the service: choice 0 and forks of its branch; a
 completion's ``best_of`` candidates likewise, ranked by log-probability per token once all
-are done.
+are done. A completion's batch of prompts is that many requests, their choices in prompt
+order.
 """
 
 from __future__ import annotations
@@ -38,29 +39,32 @@ __all__ = ["OpenAIRoutes"]
 _ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 
 
+_MAX_SAMPLED = 2048
+"""Requests one completion may make: its prompts times its candidates per prompt."""
+
+
 def _token_ids(ids: list) -> np.ndarray:
-    if not all(type(i) is int for i in ids):
-        raise RequestError("prompt must be a string, a list of token ids, or a list of one "
-                           "of either", param="prompt")
+    if not ids or not all(type(i) is int for i in ids):
+        raise RequestError("prompt must be a string, a list of token ids, or a list of "
+                           "either (a batch), none of them empty", param="prompt")
     arr = np.asarray(ids, dtype=np.int64)
     if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
         raise RequestError("token ids must be in [0, 2^32)", param="prompt")
     return arr.astype(np.uint32)
 
 
-def _prompt_tokens(body: CompletionRequest, tok: Tokenizer) -> np.ndarray:
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completion: one (text or token ids) or a batch of them."""
     p = body.prompt
-    if isinstance(p, str):
-        return tok.encode(p)
+    if isinstance(p, str) or p and type(p[0]) is int:
+        return [p]
     if not p:
         raise RequestError("prompt must not be empty", param="prompt")
-    if type(p[0]) is int:
-        return _token_ids(p)
-    if len(p) != 1:
-        raise RequestError("batched prompts are not supported: send one prompt per request",
-                           param="prompt")
-    (one,) = p
-    return tok.encode(one) if isinstance(one, str) else _token_ids(one)
+    return p
+
+
+def _prompt_tokens(prompt: str | list[int], tok: Tokenizer) -> np.ndarray:
+    return tok.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
 
 
 def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tokenizer) -> str:
@@ -74,8 +78,9 @@ def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tok
     return tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs)
 
 
-def _candidates(body: CompletionRequest) -> int:
-    """How many choices a completion samples (``best_of``), its options checked."""
+def _candidates(body: CompletionRequest, prompts: int) -> int:
+    """How many choices a completion samples per prompt (``best_of``), its options
+    checked."""
     if body.echo and body.logprobs is not None:
         raise RequestError("echo with logprobs is not supported by this server: the engines "
                            "do not report the prompt's log-probabilities", param="echo")
@@ -84,17 +89,18 @@ def _candidates(body: CompletionRequest) -> int:
         raise RequestError("best_of must be at least n", param="best_of")
     if best > body.n and body.stream:
         raise RequestError("best_of greater than n cannot be streamed", param="best_of")
+    if prompts * best > _MAX_SAMPLED:
+        raise RequestError(f"{prompts} prompts of {best} choices each: at most "
+                           f"{_MAX_SAMPLED} in one request", param="prompt")
     return best
 
 
-def _echo(body: CompletionRequest, tokens: np.ndarray, tok: Tokenizer) -> str:
-    """The prompt's text, for ``echo`` (token ids are decoded)."""
+def _echo(body: CompletionRequest, prompt: str | list[int], tokens: np.ndarray,
+          tok: Tokenizer) -> str:
+    """A prompt's text, for ``echo`` (token ids are decoded)."""
     if not body.echo:
         return ""
-    p = body.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    return p if isinstance(p, str) else tok.decode(tokens.tolist())
+    return prompt if isinstance(prompt, str) else tok.decode(tokens.tolist())
 
 
 def _per_token(sample: Sample) -> float:
@@ -172,15 +178,18 @@ class OpenAIRoutes:
                   chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id,
                               forced))
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self._serve(request, body, self.tok.encode(prompt), max_tokens, chat=True,
-                                 reader=reader, schema=schema)
+        return await self._serve(request, body, [self.tok.encode(prompt)], max_tokens,
+                                 chat=True, reader=reader, schema=schema)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
-        candidates = _candidates(body)
-        tokens = _prompt_tokens(body, self.tok)
+        prompts = _prompts(body)
+        candidates = _candidates(body, len(prompts))
+        tokens = [_prompt_tokens(p, self.tok) for p in prompts]
         return await self._serve(request, body, tokens, body.max_tokens, chat=False,
-                                 candidates=candidates, echo=_echo(body, tokens, self.tok))
+                                 candidates=candidates,
+                                 echoes=[_echo(body, p, t, self.tok)
+                                         for p, t in zip(prompts, tokens)])
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
                max_tokens: int | None, chat: bool, schema: str | None) -> Sampling:
@@ -195,82 +204,98 @@ class OpenAIRoutes:
                         _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs"),
                         _logit_bias(body.logit_bias), schema)
 
-    async def _serve(self, request: web.Request, body, tokens: np.ndarray,
+    async def _serve(self, request: web.Request, body, prompts: list[np.ndarray],
                      max_tokens: int | None, *, chat: bool,
                      reader: Callable[[], ChatOutput] | None = None,
                      schema: str | None = None, candidates: int | None = None,
-                     echo: str = "") -> web.StreamResponse:
+                     echoes: list[str] | None = None) -> web.StreamResponse:
         """``reader`` makes how a chat output is read (None: all content), one per choice.
-        A completion samples ``candidates`` choices (``best_of``; None: ``n``) and starts
-        each choice's text with ``echo``.
+        A completion samples ``candidates`` choices per prompt (``best_of``; None: ``n``)
+        and starts each choice's text with its prompt's ``echoes``.
 
         Choice 0 is the request on its branch. With ``n`` > 1 the others are forks of that
         branch, each a branch of one (the harness continues its branch with the choice it
         keeps), sent when choice 0's first token arrives: its prefill is done then, so the
         router finds the prompt's KV in the directory and the forks reuse it, where sending
-        all at once would prefill the prompt ``n`` times."""
-        sampling = self._check(body, tokens, max_tokens, chat, schema)
+        all at once would prefill the prompt ``n`` times. A batch of prompts is served as
+        that many such requests at once, each prompt's choices after the previous prompt's;
+        it carries no branch hint (a branch runs one request at a time)."""
+        samplings = [self._check(body, t, max_tokens, chat, schema) for t in prompts]
         hints = read_hints(request, body.evinfra)
+        if len(prompts) > 1 and (hints.branch_id or hints.parent_branch_id or hints.final):
+            raise RequestError("a batch of prompts carries no branch hints: send a branch's "
+                               "request on its own", param="prompt")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         count = candidates or body.n
-        if count > body.n and sampling.logprobs is None:  # the rank reads them
-            sampling = msgspec.structs.replace(sampling, logprobs=0)
-        k = sampling.logprobs
+        if count > body.n and samplings[0].logprobs is None:  # the rank reads them
+            samplings = [msgspec.structs.replace(s, logprobs=0) for s in samplings]
+        k = samplings[0].logprobs
         samples = [Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None,
                           LogprobReader(self.tok, k) if k is not None else None)
-                   for i in range(count)]
-        self.service.submit(Submission(tokens, sampling, hints.branch_id,
-                                       hints.parent_branch_id, hints.final, rid),
-                            samples[0].channel)
+                   for i in range(count * len(prompts))]
+        heads = samples[::count]
+        for tokens, sampling, head in zip(prompts, samplings, heads):
+            self.service.submit(Submission(tokens, sampling, hints.branch_id,
+                                           hints.parent_branch_id, hints.final, head.rid),
+                                head.channel)
 
-        def fork() -> None:
-            for s in samples[1:]:
-                seed = None if sampling.seed is None else sampling.seed + s.index
-                self.service.submit(Submission(
-                    tokens, msgspec.structs.replace(sampling, seed=seed), None,
-                    hints.branch_id, True, s.rid), s.channel)
+        def fork(p: int) -> Callable[[], None]:
+            """Send prompt ``p``'s choices after its first."""
+            def send() -> None:
+                tokens, sampling = prompts[p], samplings[p]
+                for j, s in enumerate(samples[p * count + 1:(p + 1) * count], 1):
+                    seed = None if sampling.seed is None else sampling.seed + j
+                    self.service.submit(Submission(
+                        tokens, msgspec.structs.replace(sampling, seed=seed), None,
+                        hints.branch_id, True, s.rid), s.channel)
+            return send
 
         stops = stop_strings(body.stop)
         streams = [outputs(self.service, self.tok, s, stops,
-                           fork if s.index == 0 and count > 1 else None)
+                           fork(s.index // count) if s.index % count == 0 and count > 1
+                           else None)
                    for s in samples]
+        echoes = echoes or [""]
         try:
-            prompt = int(tokens.size)
+            prompt = sum(int(t.size) for t in prompts)
             if body.stream:
                 return await self._stream(request, rid, body, samples, streams, chat, prompt,
-                                          echo)
-            return await self._whole(rid, body, samples, streams, chat, prompt, echo)
+                                          heads, echoes)
+            return await self._whole(rid, body, samples, streams, chat, prompt, heads, echoes)
         finally:
             # The answer is out, the client went away or a choice failed: no choice still
             # running is wanted now (a finished one is not aborted).
             for s in samples:
                 self.service.abort(s.rid)
 
-    def _usage(self, samples: list[Sample], prompt: int) -> dict:
-        """The prompt counts once (its KV is shared); the completions of every choice (of
-        every ``best_of`` candidate)."""
-        record = samples[0].record
-        cached = record.cached_tokens if record is not None else 0
+    def _usage(self, samples: list[Sample], prompt: int, heads: list[Sample]) -> dict:
+        """A prompt counts once (its KV is shared by its choices, its cached part is what
+        its first choice reused); the completions of every choice (of every ``best_of``
+        candidate)."""
+        cached = sum(h.record.cached_tokens for h in heads if h.record is not None)
         completion = sum(len(s.ids) for s in samples)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,
-                     prompt: int, echo: str) -> web.Response:
+                     prompt: int, heads: list[Sample], echoes: list[str]) -> web.Response:
+        count = len(samples) // len(heads)
         if len(samples) == 1:
-            choices = [await self._whole_choice(body, samples[0], streams[0], chat, echo)]
+            choices = [await self._whole_choice(body, samples[0], streams[0], chat, echoes[0])]
         else:
             # Each choice is read as its output comes, so a stop string ends it at once.
-            tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat, echo))
+            tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat,
+                                                              echoes[s.index // count]))
                      for s, o in zip(samples, streams)]
             try:
                 choices = await asyncio.gather(*tasks)
             finally:
                 for t in tasks:
                     t.cancel()
-        if len(samples) > body.n:  # best_of: the n best candidates, best first
-            best = sorted(samples, key=_per_token, reverse=True)[:body.n]
+        if count > body.n:  # best_of: each prompt's n best candidates, best first
+            best = [s for p in range(0, len(samples), count)
+                    for s in sorted(samples[p:p + count], key=_per_token, reverse=True)[:body.n]]
             choices = [{**choices[s.index], "index": i} for i, s in enumerate(best)]
             if body.logprobs is None:  # read for the rank only
                 for c in choices:
@@ -278,7 +303,7 @@ class OpenAIRoutes:
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.model.name, "choices": choices,
-            "usage": self._usage(samples, prompt)})
+            "usage": self._usage(samples, prompt, heads)})
 
     async def _whole_choice(self, body, sample: Sample, stream, chat: bool, echo: str) -> dict:
         reasoning, content, finish = await whole(sample, stream)
@@ -303,7 +328,8 @@ class OpenAIRoutes:
         return choice
 
     async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
-                      streams: list, chat: bool, prompt: int, echo: str) -> web.StreamResponse:
+                      streams: list, chat: bool, prompt: int, heads: list[Sample],
+                      echoes: list[str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         created = int(time.time())
@@ -358,8 +384,8 @@ class OpenAIRoutes:
 
             if chat:
                 yield chunk(sample, "", None, role=True)
-            elif echo:
-                yield chunk(sample, echo, None)
+            elif echoes[sample.index // body.n]:  # (streamed: n choices per prompt)
+                yield chunk(sample, echoes[sample.index // body.n], None)
             if item is None:
                 item = await stream.__anext__()
             while item[0] == "text":
@@ -392,7 +418,7 @@ class OpenAIRoutes:
                 if opts is not None and opts.include_usage:
                     yield sse({"id": rid, "object": obj, "created": created,
                                "model": self.model.name, "choices": [],
-                               "usage": self._usage(samples, prompt)})
+                               "usage": self._usage(samples, prompt, heads)})
             except EvinfraError as exc:
                 # Headers are out: report the error in the stream, as OpenAI does.
                 yield sse({"error": {"message": exc.message, "type": type(exc).__name__,

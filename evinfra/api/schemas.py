@@ -132,7 +132,7 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
     prompt: str | list[int | str | list[int]]
-    """Text, token ids, or a one-element list of either (msgspec takes one array type per
+    """Text, token ids, or a batch: a list of either (msgspec takes one array type per
     union, so the list's items are checked by the handler)."""
     max_tokens: int | None = 16
     logprobs: int | None = None

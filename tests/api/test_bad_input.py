@@ -95,9 +95,10 @@ async def test_unknown_branch_end_and_routes(client):
     assert r.status == 404 and (await r.json())["error"]["type"]
 
 
-async def test_batched_prompts_and_n_out_of_range_are_refused(client):
-    await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=["a", "b"]), 400,
-                 param="prompt")
+async def test_empty_prompts_and_n_out_of_range_are_refused(client):
+    for prompt in ([], [[]], ["a", []], [[1, 2], "b", [-1]]):
+        await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=prompt), 400,
+                     param="prompt")
     for n in (0, 129):  # OpenAI's range is 1-128
         await expect(client, CHAT, body(model="evinfra-fake", messages=MSG, n=n), 400, param="n")
 

@@ -40,12 +40,13 @@ async def test_echo_streamed_comes_first(client, monkeypatch):
 CANDIDATES = ["the first", "second, longer answer", "3", "and a fourth one"]
 
 
-def candidates_say(monkeypatch) -> list[str]:
+def candidates_say(monkeypatch, per_prompt: int = 4) -> list[str]:
     """The fake engines' output for choice ``i`` (request id ``...-i``; 0 has no suffix):
-    ``CANDIDATES[i]``. Returns them ranked by log-probability per token, best first."""
+    ``CANDIDATES[i % per_prompt]``. Returns them ranked by log-probability per token, best
+    first."""
     def plan(self, request, sampling):
         tail = request.rsplit("-", 1)[1]
-        text = CANDIDATES[int(tail) if len(tail) < 4 else 0]
+        text = CANDIDATES[int(tail) % per_prompt if len(tail) < 4 else 0]
         return np.frombuffer(text.encode(), np.uint8).astype(np.uint32), "stop"
     monkeypatch.setattr(OutputPlanner, "plan", plan)
     planner = OutputPlanner(0, (0, 256))
@@ -97,3 +98,62 @@ async def test_what_cannot_be_served_is_refused(client, service, fields, param):
     err = (await r.json())["error"]
     assert err["param"] == param and err["message"]
     assert service.in_flight() == 0
+
+
+async def test_a_batch_of_prompts_each_with_its_choices(client, service, monkeypatch):
+    """Prompt ``p``'s ``n`` choices are ``p * n`` to ``p * n + n - 1`` (the echo says whose
+    they are); each prompt is a request of its own, its choices forks of it."""
+    model_says(monkeypatch, "!")
+    submitted = spy_submissions(service)
+    prompts = ["first prompt", list(b"second"), "third"]
+    r = await openai_client(client).completions.create(
+        model="evinfra-fake", prompt=prompts, n=2, max_tokens=4, echo=True, seed=1)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [t + "!" for t in ("first prompt", "second",
+                                                             "third") for _ in range(2)]
+    assert r.usage.prompt_tokens == len("first prompt") + len("second") + len("third")
+    assert r.usage.completion_tokens == 6
+    # Three requests, each a branch of one (the batch has no hint), and a fork of each with
+    # the seed its prompt alone would give it.
+    assert len(submitted) == 6
+    heads = [s for s in submitted if s.parent is None and not s.final]
+    assert [bytes(s.tokens.astype("u1")) for s in heads] == [b"first prompt", b"second",
+                                                             b"third"]
+    assert sorted(s.sampling.seed for s in submitted) == [1, 1, 1, 2, 2, 2]
+    assert service.in_flight() == 0
+
+
+async def test_a_batch_streamed(client, monkeypatch):
+    model_says(monkeypatch, "!")
+    stream = await openai_client(client).completions.create(
+        model="evinfra-fake", prompt=["a", "bb", "ccc"], max_tokens=4, echo=True, stream=True,
+        stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    usage = None
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert texts == {0: "a!", 1: "bb!", 2: "ccc!"}
+    assert usage.prompt_tokens == 6 and usage.completion_tokens == 3
+
+
+async def test_a_batch_ranks_each_prompts_candidates(client, monkeypatch):
+    ranked = candidates_say(monkeypatch, per_prompt=4)
+    r = await openai_client(client).completions.create(
+        model="evinfra-fake", prompt=["A: ", "B: "], max_tokens=30, n=2, best_of=4, echo=True)
+    assert [c.text for c in r.choices] == ["A: " + t for t in ranked[:2]] + \
+        ["B: " + t for t in ranked[:2]]
+
+
+async def test_a_batch_with_branch_hints_or_too_many_requests_is_refused(client, service):
+    r = await client.post("/v1/completions", headers={"X-Evinfra-Branch-Id": "agent-1"},
+                          data=body(model="evinfra-fake", prompt=["a", "b"], max_tokens=2))
+    assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+    r = await client.post("/v1/completions", data=body(model="evinfra-fake", prompt=["a"] * 17,
+                                                       n=128, max_tokens=2))
+    assert r.status == 400 and "at most 2048" in (await r.json())["error"]["message"]
+    assert service.in_flight() == 0
+    r = await client.post("/v1/completions", headers={"X-Evinfra-Branch-Id": "agent-1"},
+                          data=body(model="evinfra-fake", prompt=["a"], max_tokens=2))
+    assert r.status == 200  # a batch of one is a request like any other

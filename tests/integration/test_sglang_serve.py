@@ -138,16 +138,18 @@ def test_n_choices(client):
     assert r.choices[0].text == r.choices[1].text  # identical dummy weights, temperature 0
 
 
-def test_best_of_and_echo(client):
-    """Two candidates, ranked by the log-probabilities the engines report for them (not
-    asked for by the client, so not returned); the best one after the prompt's text; both
-    billed."""
-    r = client.completions.create(model=SERVED_NAME, prompt="Count to five.", best_of=2,
-                                  echo=True, max_tokens=4, temperature=1.0, seed=3,
+def test_best_of_echo_and_a_batch(client):
+    """A batch of two prompts, two candidates each, ranked by the log-probabilities the
+    engines report for them (not asked for by the client, so not returned); each prompt's
+    best one after the prompt's text; all four billed."""
+    prompts = ["Count to five.", "Name a color."]
+    r = client.completions.create(model=SERVED_NAME, prompt=prompts, best_of=2, echo=True,
+                                  max_tokens=4, temperature=1.0, seed=3,
                                   extra_body={"ignore_eos": True})
-    assert len(r.choices) == 1 and r.choices[0].text.startswith("Count to five.")
-    assert r.choices[0].logprobs is None and r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == 8
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text[:len(p)] for c, p in zip(r.choices, prompts)] == prompts
+    assert all(c.logprobs is None and c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 16
 
 
 def test_logprobs(client):

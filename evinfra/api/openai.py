@@ -17,7 +17,7 @@ import asyncio
 import math
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -208,10 +208,10 @@ class OpenAIRoutes:
                      max_tokens: int | None, *, chat: bool,
                      reader: Callable[[], ChatOutput] | None = None,
                      schema: str | None = None, candidates: int | None = None,
-                     echoes: list[str] | None = None) -> web.StreamResponse:
+                     echoes: Sequence[str] = ("",)) -> web.StreamResponse:
         """``reader`` makes how a chat output is read (None: all content), one per choice.
         A completion samples ``candidates`` choices per prompt (``best_of``; None: ``n``)
-        and starts each choice's text with its prompt's ``echoes``.
+        and starts each choice's text with its prompt's ``echoes`` (one per prompt).
 
         Choice 0 is the request on its branch. With ``n`` > 1 the others are forks of that
         branch, each a branch of one (the harness continues its branch with the choice it
@@ -255,32 +255,31 @@ class OpenAIRoutes:
                            fork(s.index // count) if s.index % count == 0 and count > 1
                            else None)
                    for s in samples]
-        echoes = echoes or [""]
         try:
             prompt = sum(int(t.size) for t in prompts)
             if body.stream:
                 return await self._stream(request, rid, body, samples, streams, chat, prompt,
-                                          heads, echoes)
-            return await self._whole(rid, body, samples, streams, chat, prompt, heads, echoes)
+                                          echoes)
+            return await self._whole(rid, body, samples, streams, chat, prompt, echoes)
         finally:
             # The answer is out, the client went away or a choice failed: no choice still
             # running is wanted now (a finished one is not aborted).
             for s in samples:
                 self.service.abort(s.rid)
 
-    def _usage(self, samples: list[Sample], prompt: int, heads: list[Sample]) -> dict:
-        """A prompt counts once (its KV is shared by its choices, its cached part is what
-        its first choice reused); the completions of every choice (of every ``best_of``
-        candidate)."""
-        cached = sum(h.record.cached_tokens for h in heads if h.record is not None)
+    def _usage(self, samples: list[Sample], prompt: int, count: int) -> dict:
+        """A prompt counts once (its KV is shared by its ``count`` choices, its cached part
+        is what its first choice reused); the completions of every choice (of every
+        ``best_of`` candidate)."""
+        cached = sum(h.record.cached_tokens for h in samples[::count] if h.record is not None)
         completion = sum(len(s.ids) for s in samples)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,
-                     prompt: int, heads: list[Sample], echoes: list[str]) -> web.Response:
-        count = len(samples) // len(heads)
+                     prompt: int, echoes: Sequence[str]) -> web.Response:
+        count = len(samples) // len(echoes)  # choices per prompt
         if len(samples) == 1:
             choices = [await self._whole_choice(body, samples[0], streams[0], chat, echoes[0])]
         else:
@@ -303,7 +302,7 @@ class OpenAIRoutes:
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.model.name, "choices": choices,
-            "usage": self._usage(samples, prompt, heads)})
+            "usage": self._usage(samples, prompt, count)})
 
     async def _whole_choice(self, body, sample: Sample, stream, chat: bool, echo: str) -> dict:
         reasoning, content, finish = await whole(sample, stream)
@@ -328,8 +327,9 @@ class OpenAIRoutes:
         return choice
 
     async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
-                      streams: list, chat: bool, prompt: int, heads: list[Sample],
-                      echoes: list[str]) -> web.StreamResponse:
+                      streams: list, chat: bool, prompt: int,
+                      echoes: Sequence[str]) -> web.StreamResponse:
+        count = len(samples) // len(echoes)  # choices per prompt
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         created = int(time.time())
@@ -384,8 +384,8 @@ class OpenAIRoutes:
 
             if chat:
                 yield chunk(sample, "", None, role=True)
-            elif echoes[sample.index // body.n]:  # (streamed: n choices per prompt)
-                yield chunk(sample, echoes[sample.index // body.n], None)
+            elif echoes[sample.index // count]:
+                yield chunk(sample, echoes[sample.index // count], None)
             if item is None:
                 item = await stream.__anext__()
             while item[0] == "text":
@@ -418,7 +418,7 @@ class OpenAIRoutes:
                 if opts is not None and opts.include_usage:
                     yield sse({"id": rid, "object": obj, "created": created,
                                "model": self.model.name, "choices": [],
-                               "usage": self._usage(samples, prompt, heads)})
+                               "usage": self._usage(samples, prompt, count)})
             except EvinfraError as exc:
                 # Headers are out: report the error in the stream, as OpenAI does.
                 yield sse({"error": {"message": exc.message, "type": type(exc).__name__,

@@ -10,11 +10,12 @@ rewrite trims every ``C[β, m]`` to the prefix it shares with the new path (E.2 
 of that prefix the node evicted (E.2 line 20). An appended request then costs O(new blocks),
 a release O(k), and nothing ever walks the whole context to diff two sets.
 
-Eviction hints: every time ``R[b, n]`` may have crossed zero the table notes the block, and
-at the next push it compares the noted blocks' counts with what node ``n`` was last told, so
-a driver pushes just the blocks whose count became positive or zero since then. Comparing at
-the push, not at each count, keeps a route's counting in C loops: a request counts its whole
-context on a node it is new to.
+Eviction hints: every time ``R[b, n]`` crosses zero the table notes the block for node
+``n``'s next hint, and a block that crosses back before then drops its note (the node's view
+of it is right again), so a driver pushes just the blocks whose count became positive or zero
+since the last hint. The notes are a small dict per node, emptied by each hint: a route's
+counting notes a whole context on a node new to it in one C loop when none of its blocks has
+a note yet, which is the usual case.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class BranchStep(msgspec.Struct, frozen=True):
 
 
 class HintDelta(msgspec.Struct, frozen=True):
-    """Blocks whose count on a node became positive / zero since the last delta, in no
-    particular order (sorting them cost a third of taking them)."""
+    """Blocks whose count on a node became positive / zero since the last delta, each in
+    the order they first crossed."""
 
     positive: list[BlockHash]
     zero: list[BlockHash]
@@ -101,11 +102,10 @@ class BranchTable:
         self._R: list[dict[BlockHash, int]] = []
         self._on: list[set[BranchId]] = []
         self._phase: list[Phase] = []
-        # Per node, blocks whose count may have crossed zero since the last hint, and the
-        # blocks the last hint left positive (the keys ``R[·, n]`` had then).
-        self._touched: list[list[BlockHash]] = []
-        self._told: list[set[BlockHash]] = []
-        self._hinted: set[int] = set()  # nodes with touched blocks
+        # Per node, the blocks whose count is on the other side of zero than the last hint
+        # said: True, positive now.
+        self._notes: list[dict[BlockHash, bool]] = []
+        self._hinted: set[int] = set()  # nodes with notes
         for p in phases:
             self.add_node(p)
 
@@ -115,8 +115,7 @@ class BranchTable:
         self._R.append({})
         self._on.append(set())
         self._phase.append(phase)
-        self._touched.append([])
-        self._told.append(set())
+        self._notes.append({})
         return len(self._R) - 1
 
     def phase(self, node: int) -> Phase:
@@ -282,7 +281,7 @@ class BranchTable:
             del R[h]
             zeroed.append(h)
         if zeroed:
-            self._note(node, zeroed)
+            self._crossed(node, zeroed, False)
         for b in emptied:
             del b.k[node], b.holes[node]
             self._on[node].discard(b.id)
@@ -305,19 +304,13 @@ class BranchTable:
     # -- hints ------------------------------------------------------------------------------
 
     def take_hints(self, node: int) -> HintDelta:
-        """Blocks whose count on ``node`` crossed zero since the last call."""
-        touched = self._touched[node]
-        self._touched[node] = []
+        """Blocks whose count on ``node`` crossed zero since the last call (and not back)."""
+        notes = self._notes[node]
+        self._notes[node] = {}
         self._hinted.discard(node)
-        R, told = self._R[node], self._told[node]
-        # Set algebra, so each step is one C loop (``set.difference`` probes a dict as is).
-        noted = set(touched)
-        gone = noted.difference(R)
-        zero = gone & told
-        pos = noted.difference(gone, told)
-        told -= zero
-        told |= pos
-        return HintDelta(list(pos), list(zero))
+        pos = [h for h, up in notes.items() if up]
+        return HintDelta(pos, [h for h, up in notes.items() if not up] if len(pos) < len(notes)
+                         else [])
 
     def hinted_nodes(self) -> list[int]:
         """Nodes with hints waiting to be taken (ascending)."""
@@ -342,9 +335,9 @@ class BranchTable:
         _count_elements(R, hashes)
         added = len(R) - before
         if added == len(hashes):
-            self._note(node, hashes)
+            self._crossed(node, hashes, True)
         elif added:
-            self._note(node, [h for h in hashes if R[h] == 1])
+            self._crossed(node, [h for h in hashes if R[h] == 1], True)
 
     def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
         """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is
@@ -359,18 +352,23 @@ class BranchTable:
             else:
                 R[h] = r - 1
         if crossed:
-            self._note(node, crossed)
+            self._crossed(node, crossed, False)
 
-    def _note(self, node: int, blocks: Iterable[BlockHash]) -> None:
-        """Note blocks whose count may have crossed zero. If nobody takes the hints (a
-        directory without engines), the notes are cut down to the blocks whose state
-        differs from the last hint, so they stay bounded by the counts and that hint."""
-        touched = self._touched[node]
-        touched.extend(blocks)
+    def _crossed(self, node: int, blocks: list[BlockHash] | dict[BlockHash, int],
+                 up: bool) -> None:
+        """Note distinct blocks whose count crossed zero (``up``: became positive). A note
+        already there is the opposite crossing since the last hint: the two cancel. So the
+        notes stay bounded by the blocks the last hint got wrong, whether or not anyone
+        takes the hints (a directory without engines)."""
+        notes = self._notes[node]
+        if notes.keys().isdisjoint(blocks):
+            notes.update(dict.fromkeys(blocks, up))
+        else:
+            pop = notes.pop
+            for h in blocks:
+                if pop(h, None) is None:
+                    notes[h] = up
         self._hinted.add(node)
-        R, told = self._R[node], self._told[node]
-        if len(touched) > 2 * (len(R) + len(told)) + 4096:
-            self._touched[node] = [h for h in set(touched) if (h in R) != (h in told)]
 
     def _trim(self, b: _Branch, node: int, keep: int) -> None:
         """``Count(β, n, C[β, n] ∩ π_new)`` where ``π_new`` shares ``keep`` leading blocks."""

@@ -69,6 +69,18 @@ plausible = st.fixed_dictionaries(
               "stop": st.lists(st.sampled_from(["a", "<", "</think>"]), max_size=2),
               "chat_template_kwargs": st.dictionaries(st.text(max_size=5), value, max_size=2)})
 """Chat bodies that get past the schema more often than not, to reach the later checks."""
+token_ids = st.lists(st.integers(-1, 300), max_size=4)
+plausible_completion = st.fixed_dictionaries(
+    {"model": st.just("evinfra-fake"), "max_tokens": st.integers(-1, 6),
+     "prompt": st.one_of(st.text(max_size=5), token_ids, value,
+                         st.lists(st.one_of(st.text(max_size=3), token_ids), max_size=3))},
+    optional={"stream": st.booleans(), "echo": st.booleans(), "n": st.integers(0, 3),
+              "best_of": st.one_of(st.none(), st.integers(0, 4)),
+              "logprobs": st.one_of(st.none(), st.integers(-1, 3)),
+              "stop": st.lists(st.sampled_from(["a", "!", ""]), max_size=2),
+              "stream_options": st.just({"include_usage": True}),
+              "evinfra": st.one_of(value, st.just({"branch_id": "b"}))})
+"""Completion bodies (echo, best_of, batches of prompts) that mostly get past the schema."""
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +119,10 @@ def post():
     grammar.undo()
 
 
-@settings(max_examples=300, deadline=None, derandomize=True,
+@settings(max_examples=400, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=st.one_of(st.tuples(anything, st.booleans()), st.tuples(plausible, st.just(True))))
+@given(case=st.one_of(st.tuples(anything, st.booleans()), st.tuples(plausible, st.just(True)),
+                     st.tuples(plausible_completion, st.just(False))))
 def test_no_body_gets_a_server_error(post, case):
     body, chat = case
     status, text = post("/v1/chat/completions" if chat else "/v1/completions", body)

@@ -3,7 +3,8 @@
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
 give (``echo`` with ``logprobs``: the prompt's log-probabilities) are refused; wrong types
-and out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same agent hints as the ``X-Evinfra-*`` headers.
+and out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same
+agent hints as the ``X-Evinfra-*`` headers.
 """
 
 from __future__ import annotations

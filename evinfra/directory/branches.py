@@ -45,8 +45,8 @@ class BranchStep(msgspec.Struct, frozen=True):
 
 
 class HintDelta(msgspec.Struct, frozen=True):
-    """Blocks whose count on a node became positive / zero since the last delta, each in
-    the order they first crossed."""
+    """Blocks whose count on a node became positive / zero since the last delta, in the
+    order they were noted."""
 
     positive: list[BlockHash]
     zero: list[BlockHash]
@@ -309,8 +309,8 @@ class BranchTable:
         self._notes[node] = {}
         self._hinted.discard(node)
         pos = [h for h, up in notes.items() if up]
-        return HintDelta(pos, [h for h, up in notes.items() if not up] if len(pos) < len(notes)
-                         else [])
+        zero = [h for h, up in notes.items() if not up] if len(pos) < len(notes) else []
+        return HintDelta(pos, zero)
 
     def hinted_nodes(self) -> list[int]:
         """Nodes with hints waiting to be taken (ascending)."""

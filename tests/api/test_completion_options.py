@@ -1,7 +1,8 @@
-"""``echo`` and ``best_of`` on ``/v1/completions``, read by the official client: the prompt's
-text before each choice's (whole and streamed, from text or token ids); ``best_of``
-candidates ranked by log-probability per token, the best ``n`` returned and every candidate
-billed; the combinations that cannot be served are 400s naming the field."""
+"""``echo``, ``best_of`` and batches of prompts on ``/v1/completions``, read by the official
+client: the prompt's text before each choice's (whole and streamed, from text or token ids);
+``best_of`` candidates ranked by log-probability per token, the best ``n`` returned and every
+candidate billed; a batch's prompts each a request with its choices in prompt order; the
+combinations that cannot be served are 400s naming the field."""
 
 import math
 

@@ -233,8 +233,7 @@ class OpenAIRoutes:
         samples = [Sample(i, rid if i == 0 else f"{rid}-{i}", reader() if reader else None,
                           LogprobReader(self.tok, k) if k is not None else None)
                    for i in range(count * len(prompts))]
-        heads = samples[::count]
-        for tokens, sampling, head in zip(prompts, samplings, heads):
+        for tokens, sampling, head in zip(prompts, samplings, samples[::count]):
             self.service.submit(Submission(tokens, sampling, hints.branch_id,
                                            hints.parent_branch_id, hints.final, head.rid),
                                 head.channel)

@@ -41,13 +41,13 @@ async def test_echo_streamed_comes_first(client, monkeypatch):
 CANDIDATES = ["the first", "second, longer answer", "3", "and a fourth one"]
 
 
-def candidates_say(monkeypatch, per_prompt: int = 4) -> list[str]:
+def candidates_say(monkeypatch) -> list[str]:
     """The fake engines' output for choice ``i`` (request id ``...-i``; 0 has no suffix):
-    ``CANDIDATES[i % per_prompt]``. Returns them ranked by log-probability per token, best
-    first."""
+    ``CANDIDATES[i % 4]`` (a batch's second prompt's four candidates say them again). Returns
+    them ranked by log-probability per token, best first."""
     def plan(self, request, sampling):
         tail = request.rsplit("-", 1)[1]
-        text = CANDIDATES[int(tail) % per_prompt if len(tail) < 4 else 0]
+        text = CANDIDATES[int(tail) % len(CANDIDATES) if len(tail) < 4 else 0]
         return np.frombuffer(text.encode(), np.uint8).astype(np.uint32), "stop"
     monkeypatch.setattr(OutputPlanner, "plan", plan)
     planner = OutputPlanner(0, (0, 256))
@@ -140,7 +140,7 @@ async def test_a_batch_streamed(client, monkeypatch):
 
 
 async def test_a_batch_ranks_each_prompts_candidates(client, monkeypatch):
-    ranked = candidates_say(monkeypatch, per_prompt=4)
+    ranked = candidates_say(monkeypatch)
     r = await openai_client(client).completions.create(
         model="evinfra-fake", prompt=["A: ", "B: "], max_tokens=30, n=2, best_of=4, echo=True)
     assert [c.text for c in r.choices] == ["A: " + t for t in ranked[:2]] + \

@@ -6,14 +6,16 @@ n hold". Each block has a *slot* in numpy tables: its hash and its holder bits, 
 node (it holds the block in L2, host; in L1, GPU; in either tier), packed 21 nodes to an
 int64 word. A prefix walk is then a gather of the path's words and a cumulative AND down
 them, whatever the number of nodes. Each (block, node) pair keeps its last store time
-``T_b``.
+``T_b``, in a per-node array by slot.
 
 Why slots: looking a long path up by hash costs a dict probe per block (a cache miss in a
 large directory), which dominated the router's decision. A path remembers the slots its
 blocks had (``HashedPath.memo``, inherited by the branch's next path for the pages they
 share), so a lookup checks the remembered slots against the blocks' hashes, vectorised,
-and probes the dict only for new pages. An event still probes the dict per block (it names
-blocks by hash) and sets their bits one by one.
+and probes the dict only for new pages. An event names its blocks by hash, but blocks stored
+together get consecutive slots and tend to move together (a chunk, a transfer, an evicted
+leaf), so an event tries the slot after its previous block's first, and probes the dict only
+where that misses; then it sets their bits one by one.
 
 Engines feed the tree with their KV events (SGLang schema). Bad events never raise: unknown
 parents, removals of blocks the node does not hold, duplicate hashes and untracked media are
@@ -88,11 +90,12 @@ class PrefixTree:
         # ``_bits``), about twice as fast per item as numpy's own indexing.
         self._hash_np = np.zeros(1024, np.int64)
         self._words = [np.zeros(1024, np.int64)]
+        # T_b per (block, node): one array per node, by slot; meaningful where the node
+        # holds the block (its either-tier bit), stale elsewhere.
+        self._tb_np: list[np.ndarray] = []
         self._views()
         self._index: dict[NodeId, int] = {}
         self._names: list[NodeId] = []
-        # T_b per (block, node): one dict per node; its keys are exactly the node's blocks.
-        self._access: list[dict[BlockHash, float]] = []
         for n in nodes:
             self.add_node(n)
 
@@ -106,7 +109,8 @@ class PrefixTree:
             self._views()
         self._index[node] = len(self._names)
         self._names.append(node)
-        self._access.append({})
+        self._tb_np.append(np.zeros(len(self._hash_np)))
+        self._views()
         return self._index[node]
 
     def node_index(self, node: NodeId) -> int | None:
@@ -130,12 +134,14 @@ class PrefixTree:
     def _views(self) -> None:
         self._hash = memoryview(self._hash_np)
         self._bits = [memoryview(t) for t in self._words]
+        self._tb = [memoryview(t) for t in self._tb_np]
 
     def _grow(self) -> None:
         """Double the slot tables."""
         pad = np.zeros(len(self._hash_np), np.int64)
         self._hash_np = np.concatenate([self._hash_np, pad])
         self._words = [np.concatenate([t, pad]) for t in self._words]
+        self._tb_np = [np.concatenate([t, pad]) for t in self._tb_np]
         self._views()
 
     def _unused(self, s: int) -> bool:
@@ -161,7 +167,8 @@ class PrefixTree:
         return out
 
     def holds(self, block: BlockHash, node: int) -> bool:
-        return block in self._access[node]
+        w, _, _, either = self._bits_of(node)
+        return bool(self._bits[w][self._slot.get(block, 0)] & either)
 
     def holders(self, block: BlockHash) -> list[int]:
         """Indexes of the nodes holding ``block`` in any tier."""
@@ -170,23 +177,28 @@ class PrefixTree:
                 if self._bits[i // _PER_WORD][s] >> (2 * _PER_WORD + i % _PER_WORD) & 1]
 
     def blocks_on(self, node: int) -> dict[BlockHash, float]:
-        """The node's blocks and their ``T_b`` (read-only view; do not mutate)."""
-        return self._access[node]
+        """The node's blocks and their ``T_b`` (a scan of the slots: status and tests)."""
+        slots = self._held(node, 2)
+        return dict(zip(self._hash_np[slots].tolist(), self._tb_np[node][slots].tolist()))
 
     def host_blocks(self, node: int) -> list[BlockHash]:
-        w, l2, _, _ = self._bits_of(node)
-        words, slot = self._bits[w], self._slot
-        return [h for h in self._access[node] if words[slot[h]] & l2]
+        return self._hash_np[self._held(node, 0)].tolist()
 
     def host_only_blocks(self, node: int) -> list[BlockHash]:
         """Blocks the node holds in host memory and not in GPU memory."""
-        w, _, l1, _ = self._bits_of(node)
-        words, slot = self._bits[w], self._slot
-        return [h for h in self._access[node] if not words[slot[h]] & l1]  # held, not L1
+        w, j = divmod(node, _PER_WORD)
+        words = self._words[w][:self._top]
+        only = (words >> j & ~words >> (_PER_WORD + j) & 1).nonzero()[0]
+        return self._hash_np[only].tolist()
+
+    def _held(self, node: int, tier: int) -> np.ndarray:
+        """Slots whose block the node holds in L2 (``tier`` 0), L1 (1) or either (2)."""
+        w, j = divmod(node, _PER_WORD)
+        return (self._words[w][:self._top] >> (tier * _PER_WORD + j) & 1).nonzero()[0]
 
     def entries(self) -> int:
         """Number of (block, node) entries."""
-        return sum(len(a) for a in self._access)
+        return sum(len(self._held(i, 2)) for i in range(len(self._names)))
 
     def match(self, path: Sequence[BlockHash] | HashedPath) -> PrefixMatch:
         """Longest prefix of ``path`` per node (any tier, and L1) and across the cluster.
@@ -235,8 +247,8 @@ class PrefixTree:
     def _recheck(self, path: HashedPath) -> tuple[np.ndarray, int, list[np.ndarray]] | None:
         """:meth:`_slots` from the path's memo: ``known[i]`` is the hash slot ``slots[i]``
         had when it was found (new pages start at slot 0, which no node holds). A slot is
-        still the block's if it holds that hash and some node holds it (a freed slot has no
-        holders, whatever hash it kept). None if the memo is another directory's."""
+        still the block's if it holds that hash and some node holds it (a freed slot's hash
+        is 0, a block's hash may be too). None if the memo is another directory's."""
         hashes = path.hashes
         L = len(hashes)
         slots, known = path.memo
@@ -324,7 +336,7 @@ class PrefixTree:
         if block_size is not None and block_size != self.page_size:
             self._count("block_size_mismatch", block_size=block_size, page_size=self.page_size)
         slot, free, table = self._slot, self._free, self._hash
-        access = self._access[node]
+        access = self._tb[node]
         if parent is not None and parent not in slot:
             self._count("unknown_parent", node=self._names[node], parent=parent)
         if len(hashes) > 1 and len(set(hashes)) != len(hashes):
@@ -336,21 +348,28 @@ class PrefixTree:
         words = self._bits[w]
         get = slot.get
         top, cap = self._top, len(table)
+        s = 0
         for h in hashes:
-            s = get(h)
-            if s is None:
-                if free:
-                    s = free.pop()
-                else:
-                    if top == cap:
-                        self._grow()
-                        table, words, cap = self._hash, self._bits[w], len(self._hash)
-                    s = top
-                    top += 1
-                table[s] = h
-                slot[h] = s
+            # Blocks stored together got consecutive slots: try the one after the last
+            # block's before the dict (a cache miss or more in a large directory). A free
+            # slot's hash is 0, so a match is the block's live slot (0 itself never matches).
+            s += 1
+            if s >= top or table[s] != h or not h:
+                s = get(h)
+                if s is None:
+                    if free:
+                        s = free.pop()
+                    else:
+                        if top == cap:
+                            self._grow()
+                            table, words, cap = self._hash, self._bits[w], len(self._hash)
+                            access = self._tb[node]
+                        s = top
+                        top += 1
+                    table[s] = h
+                    slot[h] = s
             words[s] |= bits
-            access[h] = now
+            access[s] = now
         self._top = top
         self.stats.blocks_stored += len(hashes)
 
@@ -361,14 +380,18 @@ class PrefixTree:
             return []
         w, l2, l1, either = self._bits_of(node)
         bit, other = (l1, l2) if tier is Tier.L1 else (l2, l1)
-        slot, free = self._slot, self._free
+        slot, table = self._slot, self._hash
         words, get = self._bits[w], slot.get
         single = len(self._bits) == 1
-        access = self._access[node]
         lost: list[BlockHash] = []
+        freed: list[int] = []
         removed = 0
+        top = self._top
+        s = 0
         for h in hashes:
-            s = get(h, 0)
+            s += 1
+            if s >= top or table[s] != h or not h:  # see store
+                s = get(h, 0)
             m = words[s]
             if not m & bit:
                 self._count("unknown_removal", node=self._names[node], block=h)
@@ -379,11 +402,12 @@ class PrefixTree:
                 continue
             m &= ~(bit | either)
             words[s] = m
-            del access[h]
             lost.append(h)
             if not m and (single or self._unused(s)):
                 del slot[h]
-                free.append(s)
+                table[s] = 0
+                freed.append(s)
+        self._release(freed)
         self.stats.blocks_removed += removed
         return lost
 
@@ -391,19 +415,27 @@ class PrefixTree:
         """The node dropped everything (``AllBlocksCleared``, a crash, a relaunch)."""
         w, l2, l1, either = self._bits_of(node)
         keep = ~(l2 | l1 | either)
-        words, slot, free = self._bits[w], self._slot, self._free
+        words, slot, table = self._bits[w], self._slot, self._hash
         single = len(self._bits) == 1
-        lost = list(self._access[node])
-        for h in lost:
-            s = slot[h]
+        held = self._held(node, 2)
+        lost = self._hash_np[held].tolist()
+        freed = []
+        for s in held.tolist():
             m = words[s] & keep
             words[s] = m
             if not m and (single or self._unused(s)):
-                del slot[h]
-                free.append(s)
-        self._access[node] = {}
+                del slot[table[s]]
+                table[s] = 0
+                freed.append(s)
+        self._release(freed)
         self.stats.clears += 1
         return lost
+
+    def _release(self, freed: list[int]) -> None:
+        """Free the slots (their hashes already zeroed), to be handed out lowest first: a
+        block run freed together and stored again gets consecutive slots again."""
+        freed.sort(reverse=True)
+        self._free.extend(freed)
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -419,6 +451,7 @@ class PrefixTree:
         assert self._hash.obj is self._hash_np
         for s in [0, *self._free]:
             assert not any(t[s] for t in self._bits), f"free slot {s} has holders"
+            assert not self._hash[s], f"free slot {s} keeps a hash"
         for h, s in self._slot.items():
             assert self._hash[s] == h, f"slot {s} of {h} holds {self._hash[s]}"
             assert any(t[s] for t in self._bits), f"block {h} held by no node"
@@ -426,10 +459,8 @@ class PrefixTree:
                 w, l2, l1, either = self._bits_of(idx)
                 m = self._bits[w][s]
                 assert bool(m & either) == bool(m & (l1 | l2)), f"{h} on {idx}: tier bits"
-                assert bool(m & either) == (h in self._access[idx]), f"{h} on {idx}: T_b"
-        for idx, access in enumerate(self._access):
-            for h in access:
-                assert h in self._slot, f"{h} on {idx} not in index"
+        assert all(len(t) == len(self._hash) for t in self._tb)
+        assert all(t.obj is a for t, a in zip(self._tb, self._tb_np))
 
     def _count(self, what: str, **fields: object) -> None:
         value = getattr(self.stats, what) + 1

@@ -112,6 +112,27 @@ def test_many_nodes_take_more_words_of_holder_bits() -> None:
     d.check_invariants()
 
 
+def test_an_event_finds_blocks_beside_the_last_ones_slot_or_by_hash(d: Directory) -> None:
+    """Blocks stored together sit in consecutive slots, which an event tries first; a slot
+    freed or taken by another block since (a block of hash 0 included) must not be
+    mistaken for the block's."""
+    d.apply("a", stored([1, 2, 3, 4]), 0.0)
+    d.apply("a", BlockRemoved([3, 4], "GPU"), 1.0)  # freed: the slots after 2's
+    d.apply("b", stored([0, 9]), 2.0)  # a hash of 0 takes a freed slot, 9 the next
+    d.apply("c", stored([1, 2, 3, 0]), 3.0)  # 3 and 0 are not where 2's neighbour was
+    d.apply("a", BlockRemoved([2, 9, 0], "GPU"), 4.0)  # 9 and 0 were never a's
+    d.check_invariants()
+    assert d.tree.stats.unknown_removal == 2
+    assert [d.tree.holders(h) for h in (1, 2, 3, 4, 0, 9)] == [[0, 2], [2], [2], [], [1, 2], [1]]
+    assert d.tree.blocks_on(2) == {1: 3.0, 2: 3.0, 3: 3.0, 0: 3.0}
+    d.apply("c", BlockRemoved([3], "GPU"), 5.0)  # frees the slot after 9's
+    d.apply("c", stored([9, 0], "CPU_PINNED"), 6.0)  # 0 is not that free slot's, hash 0 or not
+    d.check_invariants()
+    assert d.tree.tiers(0, 2) == {Tier.L1, Tier.L2} and d.tree.tiers(9, 2) == {Tier.L2}
+    assert d.match([1, 2, 3]).own == [1, 0, 2]
+    assert d.tree.blocks_on(2) == {1: 3.0, 2: 3.0, 0: 6.0, 9: 6.0}
+
+
 @pytest.mark.parametrize("nodes", [3, 30])
 def test_a_path_remembers_its_slots_and_checks_them(nodes: int) -> None:
     """A branch's path is looked up through the slots it (or its base path) remembered,

@@ -54,6 +54,10 @@ class RequestSink(Protocol):
         """New output tokens (a list or a uint32 numpy array, read only) and their
         log-probabilities if the request asked for them."""
 
+    def prompt_logprobs(self, logprobs: TokenLogprobs) -> None:
+        """The prompt's log-probabilities (``Sampling.prompt_logprobs``), before any
+        output."""
+
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:
         """The request is over: finished (``error`` None, ``record.finish`` set) or failed."""
 
@@ -387,6 +391,8 @@ class Service:
         if f is None or f.prefill != ev.node:
             return
         f.cached, f.fetched, f.computed = ev.cached, ev.fetched, ev.computed
+        if ev.prompt_logprobs is not None:
+            f.sink.prompt_logprobs(ev.prompt_logprobs)
         self.router.prefill_done(ev.request, ev.node)
         self._flush_hints()
         self._check_drains()

@@ -2,7 +2,8 @@
 
 The engines report, per output token, the sampled token's log-probability and, when asked,
 its ``k`` most likely alternatives (``TokenLogprobs``); a choice's :class:`LogprobReader`
-turns the next tokens of its output into entries as its chunks go out. A token's text is the
+turns the next tokens of its output into entries as its chunks go out (after its prompt's,
+for a completion's ``echo``). A token's text is the
 token decoded alone, its ``bytes`` that text's UTF-8 (a token that is part of a character
 reads as U+FFFD, as in vLLM). Every output token has an entry, whatever part of the answer
 its text went to (reasoning, content, a tool call), as in SGLang and vLLM: the entries line
@@ -12,6 +13,7 @@ up with the output token ids.
 from __future__ import annotations
 
 import functools
+from itertools import accumulate
 from typing import Sequence
 
 from evinfra.api.tokenizer import Tokenizer
@@ -93,4 +95,19 @@ class LogprobReader:
             offsets.append(self._offset)
             self._offset += len(text)
         return {"tokens": tokens, "token_logprobs": sampled, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def prompt(self, ids: Sequence[int], logprobs: TokenLogprobs | None) -> dict:
+        """A prompt's tokens in the completions shape, for ``echo``: the first token has no
+        log-probability (None, as OpenAI's), the others the engine's
+        (``PrefillDone.prompt_logprobs``). The output's offsets then follow the prompt's."""
+        if logprobs is None or len(logprobs.sampled) != len(ids) - 1:
+            raise EvinfraError("the engine did not report the prompt's log-probabilities")
+        tok = self.tok
+        tokens = [_token_text(tok, t)[0] for t in ids]
+        offsets = list(accumulate(map(len, tokens), initial=self._offset))
+        self._offset = offsets.pop()
+        return {"tokens": tokens, "token_logprobs": [None, *logprobs.sampled],
+                "top_logprobs": [None, *({_token_text(tok, alt)[0]: lp for alt, lp in top[:self.k]}
+                                         for top in logprobs.top)],
                 "text_offset": offsets}

@@ -81,9 +81,6 @@ def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tok
 def _candidates(body: CompletionRequest, prompts: int) -> int:
     """How many choices a completion samples per prompt (``best_of``), its options
     checked."""
-    if body.echo and body.logprobs is not None:
-        raise RequestError("echo with logprobs is not supported by this server: the engines "
-                           "do not report the prompt's log-probabilities", param="echo")
     best = body.best_of or body.n
     if best < body.n:
         raise RequestError("best_of must be at least n", param="best_of")
@@ -198,11 +195,12 @@ class OpenAIRoutes:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
         max_tokens = max_tokens_for(self.model, tokens, max_tokens)
         stop_ids = list(self.tok.eos_token_ids)
+        k = _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs")
         return Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos, stop_ids,
                         body.seed, body.top_k, body.min_p, body.frequency_penalty,
-                        body.presence_penalty, body.repetition_penalty,
-                        _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs"),
-                        _logit_bias(body.logit_bias), schema)
+                        body.presence_penalty, body.repetition_penalty, k,
+                        _logit_bias(body.logit_bias), schema,
+                        prompt_logprobs=not chat and body.echo and k is not None)
 
     async def _serve(self, request: web.Request, body, prompts: list[np.ndarray],
                      max_tokens: int | None, *, chat: bool,
@@ -211,7 +209,8 @@ class OpenAIRoutes:
                      echoes: Sequence[str] = ("",)) -> web.StreamResponse:
         """``reader`` makes how a chat output is read (None: all content), one per choice.
         A completion samples ``candidates`` choices per prompt (``best_of``; None: ``n``)
-        and starts each choice's text with its prompt's ``echoes`` (one per prompt).
+        and starts each choice's text with its prompt's ``echoes`` (one per prompt), and
+        its log-probabilities with the prompt's, which its prompt's first choice asks for.
 
         Choice 0 is the request on its branch. With ``n`` > 1 the others are forks of that
         branch, each a branch of one (the harness continues its branch with the choice it
@@ -245,9 +244,19 @@ class OpenAIRoutes:
                 for j, s in enumerate(samples[p * count + 1:(p + 1) * count], 1):
                     seed = None if sampling.seed is None else sampling.seed + j
                     self.service.submit(Submission(
-                        tokens, msgspec.structs.replace(sampling, seed=seed), None,
-                        hints.branch_id, True, s.rid), s.channel)
+                        tokens, msgspec.structs.replace(sampling, seed=seed,
+                                                        prompt_logprobs=False),
+                        None, hints.branch_id, True, s.rid), s.channel)
             return send
+
+        def prompt_logprobs(s: Sample) -> dict | None:
+            """Choice ``s``'s prompt entries, for ``echo`` with ``logprobs`` (else None):
+            the engine reported them to its prompt's first choice, which has started (the
+            others are sent then), so they are in."""
+            if chat or not body.echo or body.logprobs is None:
+                return None
+            p = s.index // count
+            return s.logprobs.prompt(prompts[p].tolist(), samples[p * count].channel.prompt)
 
         stops = stop_strings(body.stop)
         streams = [outputs(self.service, self.tok, s, stops,
@@ -258,8 +267,9 @@ class OpenAIRoutes:
             prompt = sum(int(t.size) for t in prompts)
             if body.stream:
                 return await self._stream(request, rid, body, samples, streams, chat, prompt,
-                                          echoes)
-            return await self._whole(rid, body, samples, streams, chat, prompt, echoes)
+                                          echoes, prompt_logprobs)
+            return await self._whole(rid, body, samples, streams, chat, prompt, echoes,
+                                     prompt_logprobs)
         finally:
             # The answer is out, the client went away or a choice failed: no choice still
             # running is wanted now (a finished one is not aborted).
@@ -277,14 +287,17 @@ class OpenAIRoutes:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,
-                     prompt: int, echoes: Sequence[str]) -> web.Response:
+                     prompt: int, echoes: Sequence[str],
+                     prompt_logprobs: Callable[[Sample], dict | None]) -> web.Response:
         count = len(samples) // len(echoes)  # choices per prompt
         if len(samples) == 1:
-            choices = [await self._whole_choice(body, samples[0], streams[0], chat, echoes[0])]
+            choices = [await self._whole_choice(body, samples[0], streams[0], chat, echoes[0],
+                                                prompt_logprobs)]
         else:
             # Each choice is read as its output comes, so a stop string ends it at once.
             tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat,
-                                                              echoes[s.index // count]))
+                                                              echoes[s.index // count],
+                                                              prompt_logprobs))
                      for s, o in zip(samples, streams)]
             try:
                 choices = await asyncio.gather(*tasks)
@@ -303,7 +316,8 @@ class OpenAIRoutes:
             "created": int(time.time()), "model": self.model.name, "choices": choices,
             "usage": self._usage(samples, prompt, count)})
 
-    async def _whole_choice(self, body, sample: Sample, stream, chat: bool, echo: str) -> dict:
+    async def _whole_choice(self, body, sample: Sample, stream, chat: bool, echo: str,
+                            prompt_logprobs: Callable[[Sample], dict | None]) -> dict:
         reasoning, content, finish = await whole(sample, stream)
         message: dict = {"role": "assistant"}
         out = sample.out
@@ -316,7 +330,10 @@ class OpenAIRoutes:
             finish = out.finish(finish)
         message["content"] = content
         i = sample.index
+        echoed = prompt_logprobs(sample)  # first: the output's text offsets follow it
         logprobs = _logprobs_of(sample.logprobs, sample.ids, chat)
+        if echoed is not None:
+            logprobs = {key: echoed[key] + logprobs[key] for key in echoed}
         choice = ({"index": i, "message": message, "finish_reason": finish,
                    "logprobs": logprobs} if chat else
                   {"index": i, "text": echo + content, "finish_reason": finish,
@@ -326,8 +343,8 @@ class OpenAIRoutes:
         return choice
 
     async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
-                      streams: list, chat: bool, prompt: int,
-                      echoes: Sequence[str]) -> web.StreamResponse:
+                      streams: list, chat: bool, prompt: int, echoes: Sequence[str],
+                      prompt_logprobs: Callable[[Sample], dict | None]) -> web.StreamResponse:
         count = len(samples) // len(echoes)  # choices per prompt
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -340,9 +357,11 @@ class OpenAIRoutes:
 
         def chunk(sample: Sample, delta: str | None, finish: str | None, role: bool = False,
                   ids: list[int] | None = None, calls: list[dict] | None = None,
-                  reasoning: str = "") -> bytes:
+                  reasoning: str = "", logprobs: dict | None = None) -> bytes:
+            """``logprobs``: given for a chunk of no output tokens (``ids``)."""
             index = sample.index
-            logprobs = _logprobs_of(sample.logprobs, ids, chat) if ids is not None else None
+            if ids is not None:
+                logprobs = _logprobs_of(sample.logprobs, ids, chat)
             if chat:
                 d: dict = {}
                 if role:
@@ -383,8 +402,11 @@ class OpenAIRoutes:
 
             if chat:
                 yield chunk(sample, "", None, role=True)
-            elif echoes[sample.index // count]:
-                yield chunk(sample, echoes[sample.index // count], None)
+            elif body.echo:
+                if item is None:  # the prompt's log-probabilities are in by then
+                    item = await stream.__anext__()
+                yield chunk(sample, echoes[sample.index // count], None,
+                            logprobs=prompt_logprobs(sample))
             if item is None:
                 item = await stream.__anext__()
             while item[0] == "text":

@@ -44,11 +44,15 @@ _FALSE = {"", "0", "false", "no", "off"}
 
 class Channel:
     """A request's output as an asyncio queue (the service's RequestSink); its
-    log-probabilities go to ``logprobs`` (None: not asked for)."""
+    log-probabilities go to ``logprobs`` (None: not asked for), its prompt's to ``prompt``."""
 
     def __init__(self, logprobs: LogprobReader | None = None) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.logprobs = logprobs
+        self.prompt: TokenLogprobs | None = None
+
+    def prompt_logprobs(self, logprobs: TokenLogprobs) -> None:
+        self.prompt = logprobs
 
     def tokens(self, tokens, logprobs: TokenLogprobs | None) -> None:
         self.queue.put_nowait([int(t) for t in tokens])

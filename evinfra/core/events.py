@@ -225,9 +225,20 @@ class PrefillStarted(msgspec.Struct, frozen=True, gc=False):
     time: float
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, gc=False):
+    """Log-probabilities of a run of tokens, one entry per token: the token's (the sampled
+    one, for output), and the most likely tokens at its position as ``(id, logprob)``, most
+    likely first (empty lists when none were asked for)."""
+
+    sampled: list[float]
+    top: list[list[tuple[int, float]]]
+
+
 class PrefillDone(msgspec.Struct, frozen=True, gc=False):
     """``request`` finished prefill on ``node``. ``cached`` input tokens were reused (of which
-    ``fetched`` came from peers), ``computed`` were prefilled."""
+    ``fetched`` came from peers), ``computed`` were prefilled. ``prompt_logprobs``: those of
+    the prompt's tokens but the first, when the request asked (``Sampling.prompt_logprobs``);
+    they come before the request's first ``TokensOut``."""
 
     request: str
     node: str
@@ -235,15 +246,7 @@ class PrefillDone(msgspec.Struct, frozen=True, gc=False):
     cached: int
     fetched: int
     computed: int
-
-
-class TokenLogprobs(msgspec.Struct, frozen=True, gc=False):
-    """Log-probabilities of a run of output tokens, one entry per token: the sampled token's,
-    and the most likely tokens at its position as ``(id, logprob)``, most likely first (empty
-    lists when none were asked for)."""
-
-    sampled: list[float]
-    top: list[list[tuple[int, float]]]
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 class TokensOut(msgspec.Struct, frozen=True, gc=False):

@@ -54,6 +54,10 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     json_schema: str | None = None
     """The output is JSON that this schema (JSON text) holds: the engine's grammar keeps
     it so (only sent to engines whose ``constrains_output``)."""
+    prompt_logprobs: bool = False
+    """With ``logprobs``: the same for each prompt token but the first
+    (``PrefillDone.prompt_logprobs``). SGLang recomputes the prompt for them (it reuses no
+    cached KV); the fake engines make them up as they do an output's."""
 
 
 class PrefillOrder(msgspec.Struct, frozen=True, gc=False):

@@ -48,6 +48,9 @@ class _Sink:
     def tokens(self, tokens, logprobs) -> None:
         self.parts.append(tokens)
 
+    def prompt_logprobs(self, logprobs) -> None:
+        pass  # simulated agents do not ask
+
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:
         if error is not None:
             self.done_cb(Outcome(error=f"{type(error).__name__}: {error.message}"))

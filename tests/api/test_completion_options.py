@@ -1,5 +1,6 @@
 """``echo``, ``best_of`` and batches of prompts on ``/v1/completions``, read by the official
-client: the prompt's text before each choice's (whole and streamed, from text or token ids);
+client: the prompt's text before each choice's (whole and streamed, from text or token ids),
+and its tokens' log-probabilities before the output's (what an evaluation harness scores);
 ``best_of`` candidates ranked by log-probability per token, the best ``n`` returned and every
 candidate billed; a batch's prompts each a request with its choices in prompt order; the
 combinations that cannot be served are 400s naming the field."""
@@ -36,6 +37,53 @@ async def test_echo_streamed_comes_first(client, monkeypatch):
         model="evinfra-fake", prompt=PROMPT, max_tokens=20, echo=True, stream=True)
     texts = [c.choices[0].text async for c in stream if c.choices]
     assert texts[0] == PROMPT and "".join(texts) == PROMPT + ", a fake engine"
+
+
+
+def prompt_logprobs(text: str) -> list[float]:
+    """What the fake engines report for a prompt's tokens but the first (byte tokens)."""
+    return OutputPlanner(0, (0, 256)).logprobs(np.frombuffer(text.encode(), np.uint8)[1:],
+                                               0).sampled
+
+
+async def test_echo_with_logprobs_scores_the_prompt(client, service, monkeypatch):
+    """An evaluation harness's loglikelihood request: the prompt's tokens and their
+    log-probabilities (none for the first), then the output's, offsets running through
+    both. Only the first choice asks the engine; the others read its answer."""
+    model_says(monkeypatch, ", a fake engine")
+    submitted = spy_submissions(service)
+    r = await openai_client(client).completions.create(
+        model="evinfra-fake", prompt=PROMPT, max_tokens=20, echo=True, logprobs=1, n=2)
+    assert [s.sampling.prompt_logprobs for s in submitted] == [True, False]
+    for c in r.choices:
+        lp = c.logprobs
+        assert c.text == PROMPT + ", a fake engine"
+        assert lp.tokens == list(c.text)  # the byte tokenizer's tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(PROMPT)] == pytest.approx(prompt_logprobs(PROMPT))
+        assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+        assert lp.text_offset == list(range(len(c.text)))
+    r = await openai_client(client).completions.create(
+        model="evinfra-fake", prompt=PROMPT, max_tokens=20, logprobs=1)
+    assert r.choices[0].logprobs.tokens == list(", a fake engine")  # no echo: output only
+    assert submitted[-1].sampling.prompt_logprobs is False
+
+
+async def test_echo_with_logprobs_streamed_and_in_a_batch(client, monkeypatch):
+    model_says(monkeypatch, "!")
+    stream = await openai_client(client).completions.create(
+        model="evinfra-fake", prompt=["ab", list(b"xyz")], max_tokens=4, echo=True,
+        logprobs=0, stream=True)
+    chunks: dict[int, list] = {0: [], 1: []}
+    async for chunk in stream:
+        for c in chunk.choices:
+            chunks[c.index].append(c)
+    for i, prompt in enumerate(["ab", "xyz"]):
+        first = chunks[i][0]
+        assert first.text == prompt and first.logprobs.tokens == list(prompt)
+        assert first.logprobs.token_logprobs[1:] == pytest.approx(prompt_logprobs(prompt))
+        offsets = [o for c in chunks[i] if c.logprobs for o in c.logprobs.text_offset]
+        assert offsets == list(range(len(prompt) + 1))  # the prompt's, then "!"'s
 
 
 CANDIDATES = ["the first", "second, longer answer", "3", "and a fourth one"]
@@ -86,7 +134,6 @@ async def test_best_of_equal_to_n_streams(client):
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"echo": True, "logprobs": 0}, "echo"),
     ({"n": 3, "best_of": 2}, "best_of"),
     ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
     ({"best_of": 0}, "best_of"),

@@ -152,6 +152,34 @@ def test_best_of_echo_and_a_batch(client):
     assert r.usage.completion_tokens == 16
 
 
+def test_echo_with_logprobs_scores_the_prompt(client):
+    """An evaluation harness's loglikelihood request: the prefill engine reports the
+    prompt's log-probabilities (none for the first token), the decode engine the output's;
+    whole and streamed alike, and a second choice reads the first's prompt entries."""
+    prompt = "Count to five. One, two, three"
+    kw = dict(model=SERVED_NAME, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+              logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(n=2, **kw)
+    for c in r.choices:
+        lp, n_out = c.logprobs, len(c.model_extra["token_ids"])
+        assert c.text.startswith(prompt) and n_out == 2
+        n_in = len(lp.tokens) - n_out
+        assert n_in == r.usage.prompt_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(x <= 0 for x in lp.token_logprobs[1:])
+        # (two alternatives may read alike, as U+FFFD: a text keys one of them)
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+        assert "".join(lp.tokens[:n_in]) == prompt
+        assert lp.text_offset[n_in] == len(prompt)
+    assert r.choices[0].logprobs.token_logprobs[:n_in] == \
+        pytest.approx(r.choices[1].logprobs.token_logprobs[:n_in], abs=1e-4)
+    first = next(c.choices[0] for c in client.completions.create(stream=True, **kw)
+                 if c.choices)
+    assert first.text == prompt and len(first.logprobs.tokens) == n_in
+    assert first.logprobs.token_logprobs[1:] == \
+        pytest.approx(r.choices[0].logprobs.token_logprobs[1:n_in], abs=1e-3)
+
+
 def test_logprobs(client):
     """The decode engine's log-probabilities, one per output token, whole and streamed; at
     temperature 0 the sampled token is the most likely one."""

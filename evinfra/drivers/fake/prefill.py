@@ -182,9 +182,12 @@ class PrefillSide:
                 self._chunked = rec
                 continue
             self._handoff[rec.request] = rec
+            s = rec.order.sampling
+            prompt = (self.cluster.outputs.logprobs(rec.tokens[1:], s.logprobs)
+                      if s.prompt_logprobs and s.logprobs is not None else None)
             self._out.append(PrefillDone(rec.request, self.node, now, rec.cached,
                                          min(rec.fetched * page, rec.cached),
-                                         rec.n_in - rec.cached))
+                                         rec.n_in - rec.cached, prompt))
             self.cluster.prefill_done(rec.request, self.node)
         self._busy = None
         self._schedule()

@@ -47,7 +47,8 @@ from evinfra.drivers.sglang.kvsub import KVSubscriber
 from evinfra.drivers.sglang.loads import LOADS_PATH, LoadsTracker, parse_loads
 from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, OutputCursor, StreamError,
-                                             generate_body, parse_sse_line, priority_for)
+                                             generate_body, parse_sse_line, priority_for,
+                                             prompt_logprobs)
 from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire, fetch_kv_hints,
                                        restored_tokens)
 from evinfra.errors import EngineError, EvinfraError
@@ -287,7 +288,8 @@ class SGLangDriver:
 
     async def _run_prefill(self, f: _Flight, order: PrefillOrder) -> None:
         body = generate_body(order.tokens, order.sampling, f.rid, f.bootstrap,
-                             self._priority(order.final), self._fetch_hints(order))
+                             self._priority(order.final), self._fetch_hints(order),
+                             prefill=True)
         done = False
         try:
             async with self._session.post(self.url + "/generate", json=body) as resp:
@@ -311,7 +313,7 @@ class SGLangDriver:
                                               status=fin.status_code))
                         return
                     done = True
-                    self._prefill_done(f, item)
+                    self._prefill_done(f, item, order.sampling.prompt_logprobs)
                 if not done:
                     self._fail(f, Failure("prefill: the engine ended the stream without a "
                                           "result", unreachable=True))
@@ -325,7 +327,7 @@ class SGLangDriver:
                 self.pairs.close(f.request, self.node)
             self._forget(f)
 
-    def _prefill_done(self, f: _Flight, chunk: Chunk) -> None:
+    def _prefill_done(self, f: _Flight, chunk: Chunk, prompt: bool) -> None:
         if f.closed:
             return
         f.closed = True
@@ -340,12 +342,15 @@ class SGLangDriver:
         self.stats["restored_tokens"] += restored
         self._loads.prefill_finished(f.request, computed, cached, restored)
         self.bus.publish(PrefillDone(f.request, self.node, self.clock.now(), cached=cached,
-                                     fetched=fetched, computed=computed))
+                                     fetched=fetched, computed=computed,
+                                     prompt_logprobs=prompt_logprobs(meta) if prompt else None))
 
     async def _run_decode(self, f: _Flight, order: DecodeOrder) -> None:
         body = generate_body(order.tokens, order.sampling, f.rid, f.bootstrap,
                              self._priority(order.final))
         cursor = OutputCursor()
+        # The prompt's log-probabilities come with the prefill's answer, before any output.
+        wait = order.sampling.prompt_logprobs
         try:
             async with self._session.post(self.url + "/generate", json=body) as resp:
                 if resp.status != 200:
@@ -366,6 +371,12 @@ class SGLangDriver:
                         return
                     tokens = cursor.new_tokens(item)
                     logprobs = cursor.new_logprobs(item)
+                    if wait and tokens:
+                        wait = False
+                        await self.pairs.wait_prefill(f.request, f.source,
+                                                      self.settings.finish_wait_s)
+                        if f.closed:
+                            return
                     if fin is None:
                         if tokens:
                             self.bus.publish(TokensOut(f.request, self.node, self.clock.now(),

@@ -67,11 +67,12 @@ _OFF = (("top_k", -1), ("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_pe
 
 
 def generate_body(tokens: Any, sampling: Sampling, rid: str, bootstrap: Bootstrap,
-                  priority: int | None = None, kv_hints: dict[str, Any] | None = None
-                  ) -> dict[str, Any]:
-    """The ``/generate`` body, identical for both engines of the pair but for ``rid`` (and
-    the prefill half's ``kv_hints``: its fetch plan for a patched engine, see
-    ``engine_patch/wire.py``)."""
+                  priority: int | None = None, kv_hints: dict[str, Any] | None = None,
+                  prefill: bool = False) -> dict[str, Any]:
+    """The ``/generate`` body, identical for both engines of the pair but for ``rid`` and
+    the ``prefill`` half's extras: its ``kv_hints`` (its fetch plan for a patched engine, see
+    ``engine_patch/wire.py``) and the start of the prompt's log-probabilities, when asked
+    (only the prefill engine computes them)."""
     body: dict[str, Any] = {
         "input_ids": [int(t) for t in tokens],
         "sampling_params": sampling_params(sampling),
@@ -86,6 +87,8 @@ def generate_body(tokens: Any, sampling: Sampling, rid: str, bootstrap: Bootstra
     if sampling.logprobs is not None:
         body["return_logprob"] = True
         body["top_logprobs_num"] = sampling.logprobs
+        if prefill and sampling.prompt_logprobs:
+            body["logprob_start_len"] = 0
     if kv_hints is not None:
         body["kv_hints"] = kv_hints
     return body
@@ -127,6 +130,10 @@ class MetaInfo(msgspec.Struct, frozen=True):
     with incremental streaming, the chunk's)."""
     output_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
     """With ``top_logprobs_num`` > 0: each position's alternatives, as the above."""
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    """With ``logprob_start_len`` 0 (a prefill's answer): the same per prompt token, the
+    first's log-probability None."""
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
 
 
 class Chunk(msgspec.Struct, frozen=True):
@@ -194,8 +201,19 @@ class OutputCursor:
         entries = meta.output_token_logprobs
         if entries is None:
             return None
-        n = self._new
-        tops = meta.output_top_logprobs or []
-        tops = tops[len(tops) - n:] if n and tops else [None] * n
-        return TokenLogprobs([e[0] for e in entries[len(entries) - n:]] if n else [],
-                             [[(t[1], t[0]) for t in top or ()] for top in tops])
+        return _last(entries, meta.output_top_logprobs, self._new)
+
+
+def prompt_logprobs(meta: MetaInfo) -> TokenLogprobs:
+    """A prefill's log-probabilities of its prompt's tokens but the first (which has none);
+    fewer if the engine reported fewer."""
+    return _last(meta.input_token_logprobs or [], meta.input_top_logprobs,
+                 max(0, meta.prompt_tokens - 1))
+
+
+def _last(entries: list, tops: list | None, n: int) -> TokenLogprobs:
+    """The last ``n`` entries and their alternatives (``(logprob, id, text)`` each)."""
+    n = min(n, len(entries))
+    tops = tops[len(tops) - n:] if n and tops else [None] * n
+    return TokenLogprobs([e[0] for e in entries[len(entries) - n:]] if n else [],
+                         [[(t[1], t[0]) for t in top or ()] for top in tops])

@@ -17,7 +17,7 @@ from evinfra.drivers.sglang.loads import LoadsTracker, parse_loads
 from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, MetaInfo, OutputCursor,
                                              StreamError, generate_body, parse_sse_line,
-                                             priority_for)
+                                             priority_for, prompt_logprobs)
 from evinfra.errors import ConfigError
 
 # Trimmed from a real SGLang 0.5.23 prefill engine's answers.
@@ -223,6 +223,22 @@ def test_logprobs_and_a_schema_are_asked_for_and_logprobs_read_in_either_mode():
     assert got == [[-0.1], [-0.2], [-0.3, -0.4]]
     assert cum.new_logprobs(Chunk([], MetaInfo())) is None  # not asked for
 
+
+def test_the_prompts_logprobs_are_asked_of_the_prefill_engine_and_read_from_its_answer():
+    s = Sampling(max_tokens=8, logprobs=1, prompt_logprobs=True)
+    assert generate_body([1, 2], s, "r", Bootstrap("h", 1, 2), prefill=True)[
+        "logprob_start_len"] == 0
+    assert "logprob_start_len" not in generate_body([1, 2], s, "r", Bootstrap("h", 1, 2))
+    assert "logprob_start_len" not in generate_body(
+        [1, 2], Sampling(max_tokens=8, logprobs=1), "r", Bootstrap("h", 1, 2), prefill=True)
+    # A prefill's last chunk: the first prompt token has no log-probability.
+    line = (b'data: {"output_ids":[4],"meta_info":{"prompt_tokens":3,"completion_tokens":1,'
+            b'"finish_reason":{"type":"length","length":1},'
+            b'"input_token_logprobs":[[null,5,null],[-0.5,6,null],[-1.5,7,null]],'
+            b'"input_top_logprobs":[null,[[-0.25,8,null]],[[-1.5,7,null]]]}}')
+    assert prompt_logprobs(parse_sse_line(line).meta_info) == TokenLogprobs(
+        [-0.5, -1.5], [[(8, -0.25)], [(7, -1.5)]])
+    assert prompt_logprobs(MetaInfo(prompt_tokens=3)) == TokenLogprobs([], [])  # none sent
 
 def test_errors_map_to_clear_messages():
     assert engine_message(b'{"error": {"message": "Input too long"}}') == "Input too long"

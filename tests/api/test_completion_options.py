@@ -40,10 +40,15 @@ async def test_echo_streamed_comes_first(client, monkeypatch):
 
 
 
+def made_up(ids: list[int]) -> list[float]:
+    """The log-probabilities the fake engines report for these tokens (a function of each
+    token id)."""
+    return OutputPlanner(0, (0, 256)).logprobs(np.array(ids), 0).sampled
+
+
 def prompt_logprobs(text: str) -> list[float]:
     """What the fake engines report for a prompt's tokens but the first (byte tokens)."""
-    return OutputPlanner(0, (0, 256)).logprobs(np.frombuffer(text.encode(), np.uint8)[1:],
-                                               0).sampled
+    return made_up(list(text.encode())[1:])
 
 
 async def test_echo_with_logprobs_scores_the_prompt(client, service, monkeypatch):
@@ -68,6 +73,23 @@ async def test_echo_with_logprobs_scores_the_prompt(client, service, monkeypatch
     assert r.choices[0].logprobs.tokens == list(", a fake engine")  # no echo: output only
     assert submitted[-1].sampling.prompt_logprobs is False
 
+
+async def test_an_evaluation_harness_scores_continuations(client):
+    """lm-evaluation-harness's ``local-completions`` loglikelihood call, as it sends it: a
+    batch of token-id prompts (context + continuation), one output token; it reads each
+    choice's prompt entries past the context and checks each is its position's best."""
+    ctx, conts = list(b"Question: 2+2=? Answer:"), [list(b" 4"), list(b" five")]
+    r = await client.post("/v1/completions", data=body(
+        model="evinfra-fake", prompt=[ctx + c for c in conts], temperature=0, max_tokens=1,
+        logprobs=1, seed=1234, echo=True))
+    assert r.status == 200, await r.text()
+    choices = sorted((await r.json())["choices"], key=lambda c: c["index"])
+    for choice, cont in zip(choices, conts):
+        lp = choice["logprobs"]
+        scored = lp["token_logprobs"][len(ctx):-1]  # the continuation (not the output token)
+        assert scored == pytest.approx(made_up(cont))
+        tops = lp["top_logprobs"][len(ctx):-1]
+        assert all(t == max(top.values()) for t, top in zip(scored, tops))  # greedy
 
 async def test_echo_with_logprobs_streamed_and_in_a_batch(client, monkeypatch):
     model_says(monkeypatch, "!")

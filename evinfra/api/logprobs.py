@@ -3,9 +3,9 @@
 The engines report, per output token, the sampled token's log-probability and, when asked,
 its ``k`` most likely alternatives (``TokenLogprobs``); a choice's :class:`LogprobReader`
 turns the next tokens of its output into entries as its chunks go out (after its prompt's,
-for a completion's ``echo``). A token's text is the
-token decoded alone, its ``bytes`` that text's UTF-8 (a token that is part of a character
-reads as U+FFFD, as in vLLM). Every output token has an entry, whatever part of the answer
+for a completion's ``echo``: the prefill engine reports those). A token's text is the token
+decoded alone, its ``bytes`` that text's UTF-8 (a token that is part of a character reads as
+U+FFFD, as in vLLM). Every output token has an entry, whatever part of the answer
 its text went to (reasoning, content, a tool call), as in SGLang and vLLM: the entries line
 up with the output token ids.
 """

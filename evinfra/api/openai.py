@@ -25,7 +25,8 @@ from aiohttp import web
 
 from evinfra.api.constraints import check_served, output_schema
 from evinfra.api.logprobs import LogprobReader, top_logprobs
-from evinfra.api.schemas import ChatCompletionRequest, CompletionRequest, ToolChoice, decode_body
+from evinfra.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                 TokenizeRequest, ToolChoice, decode_body)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
                                  outputs, read_hints, stop_strings, whole)
 from evinfra.api.tokenizer import Tokenizer
@@ -43,14 +44,13 @@ _MAX_SAMPLED = 2048
 """Requests one completion may make: its prompts times its candidates per prompt."""
 
 
-def _token_ids(ids: list) -> np.ndarray:
+def _token_ids(ids: list, param: str = "prompt") -> np.ndarray:
     if not ids or not all(type(i) is int for i in ids):
         raise RequestError("prompt must be a string, a list of token ids, or a list of "
-                           "either (a batch), none of them empty", param="prompt")
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
-        raise RequestError("token ids must be in [0, 2^32)", param="prompt")
-    return arr.astype(np.uint32)
+                           "either (a batch), none of them empty", param=param)
+    if min(ids) < 0 or max(ids) > 0xFFFFFFFF:  # (before numpy: ids past 2^63 overflow it)
+        raise RequestError("token ids must be in [0, 2^32)", param=param)
+    return np.asarray(ids, dtype=np.uint32)
 
 
 def _prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -67,7 +67,8 @@ def _prompt_tokens(prompt: str | list[int], tok: Tokenizer) -> np.ndarray:
     return tok.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
 
 
-def _chat_prompt(body: ChatCompletionRequest, tools: list[dict] | None, tok: Tokenizer) -> str:
+def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None,
+                 tok: Tokenizer) -> str:
     if not body.messages:
         raise RequestError("messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
@@ -147,6 +148,8 @@ class OpenAIRoutes:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_info)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
 
     def _model(self) -> dict[str, object]:
         """OpenAI's fields, and the context window as vLLM and SGLang give it (harnesses read
@@ -161,6 +164,30 @@ class OpenAIRoutes:
         """``GET /v1/models/{model}`` (the OpenAI client's ``models.retrieve``)."""
         check_model(self.model, request.match_info["model"])
         return web.json_response(self._model())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """The tokens this server prefills for a completion's ``prompt`` or a chat
+        completion's ``messages`` and ``tools``: what a harness counts against the context
+        window (``max_model_len``) before it sends, or compacts."""
+        body = decode_body(await request.read(), TokenizeRequest)
+        if body.model is not None:
+            check_model(self.model, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give a prompt or messages, not both", param="prompt")
+        if body.prompt is not None:
+            tokens = self.tok.encode(body.prompt)
+        else:
+            tools = msgspec.to_builtins(body.tools) if body.tools else None
+            tokens = self.tok.encode(_chat_prompt(body, tools, self.tok))
+        return web.json_response({"count": int(tokens.size), "tokens": tokens.tolist(),
+                                  "max_model_len": self.model.max_context_tokens})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), DetokenizeRequest)
+        if body.model is not None:
+            check_model(self.model, body.model)
+        ids = _token_ids(body.tokens, "tokens").tolist() if body.tokens else []
+        return web.json_response({"prompt": self.tok.decode(ids)})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
-give (``echo`` with ``logprobs``: the prompt's log-probabilities) are refused; wrong types
+give (an image in a message: the model reads text) are refused; wrong types
 and out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same
 agent hints as the ``X-Evinfra-*`` headers.
 """
@@ -140,11 +140,29 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     """Each output token's log-probability, with that many most likely tokens at each
     position (0-20), in ``choices[].logprobs``."""
     echo: bool = False
-    """Each choice's text starts with the prompt's. Not with ``logprobs``: the engines do
-    not report the prompt's log-probabilities (refused, not answered without them)."""
+    """Each choice's text starts with the prompt's; with ``logprobs``, its log-probabilities
+    start with the prompt's tokens' (the first's null), which the prefill engine reports."""
     best_of: Choices | None = None
     """Candidates sampled (at least ``n``; ``n`` when not given), of which the ``n`` with the
     highest log-probability per token are returned; more than ``n`` cannot be streamed."""
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize`` (as vLLM and SGLang serve it): a ``prompt``, read as a completion
+    reads it, or ``messages`` (and ``tools``) rendered as a chat completion renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, object]] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, object] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -95,8 +95,9 @@ async def test_unknown_branch_end_and_routes(client):
     assert r.status == 404 and (await r.json())["error"]["type"]
 
 
-async def test_empty_prompts_and_n_out_of_range_are_refused(client):
-    for prompt in ([], [[]], ["a", []], [[1, 2], "b", [-1]]):
+async def test_empty_prompts_bad_token_ids_and_n_out_of_range_are_refused(client):
+    for prompt in ([], [[]], ["a", []], [[1, 2], "b", [-1]], [2 ** 32], [[2 ** 63 + 1]],
+                   [2 ** 64 - 1]):  # (past 2^63: numpy cannot hold them)
         await expect(client, "/v1/completions", body(model="evinfra-fake", prompt=prompt), 400,
                      param="prompt")
     for n in (0, 129):  # OpenAI's range is 1-128

@@ -16,7 +16,7 @@ import numpy as np
 
 from evinfra.core.events import KVEvent, KVEventBatch
 from evinfra.core.hashing import HashedPath
-from evinfra.core.types import BlockHash, BranchId, NodeId, Phase
+from evinfra.core.types import BlockHash, BranchId, NodeId, Phase, Tier
 from evinfra.directory.branches import BranchStep, BranchTable, HintDelta
 from evinfra.directory.eviction import eviction_order
 from evinfra.directory.tree import PrefixMatch, PrefixTree
@@ -152,11 +152,10 @@ class Directory:
         """Numbers for ``/v1/evinfra/status`` and metrics."""
         per_node = {}
         for idx, name in enumerate(self.tree.nodes):
-            on = self.tree.blocks_on(idx)
             per_node[name] = {
                 "phase": self.branches.phase(idx).value,
-                "blocks": len(on),
-                "host_blocks": len(self.tree.host_blocks(idx)),
+                "blocks": self.tree.held(idx),
+                "host_blocks": self.tree.held(idx, Tier.L2),
                 "positive_count_blocks": len(self.branches.counts(idx)),
                 "branches": len(self.branches.branches_on(idx)),
             }

@@ -181,9 +181,6 @@ class PrefixTree:
         slots = self._held(node, 2)
         return dict(zip(self._hash_np[slots].tolist(), self._tb_np[node][slots].tolist()))
 
-    def host_blocks(self, node: int) -> list[BlockHash]:
-        return self._hash_np[self._held(node, 0)].tolist()
-
     def host_only_blocks(self, node: int) -> list[BlockHash]:
         """Blocks the node holds in host memory and not in GPU memory."""
         w, j = divmod(node, _PER_WORD)
@@ -196,9 +193,13 @@ class PrefixTree:
         w, j = divmod(node, _PER_WORD)
         return (self._words[w][:self._top] >> (tier * _PER_WORD + j) & 1).nonzero()[0]
 
+    def held(self, node: int, tier: Tier | None = None) -> int:
+        """Number of blocks the node holds in ``tier`` (None: in either)."""
+        return int(self._held(node, 2 if tier is None else int(tier is Tier.L1)).size)
+
     def entries(self) -> int:
         """Number of (block, node) entries."""
-        return sum(len(self._held(i, 2)) for i in range(len(self._names)))
+        return sum(self.held(i) for i in range(len(self._names)))
 
     def match(self, path: Sequence[BlockHash] | HashedPath) -> PrefixMatch:
         """Longest prefix of ``path`` per node (any tier, and L1) and across the cluster.

@@ -131,6 +131,9 @@ def test_an_event_finds_blocks_beside_the_last_ones_slot_or_by_hash(d: Directory
     assert d.tree.tiers(0, 2) == {Tier.L1, Tier.L2} and d.tree.tiers(9, 2) == {Tier.L2}
     assert d.match([1, 2, 3]).own == [1, 0, 2]
     assert d.tree.blocks_on(2) == {1: 3.0, 2: 3.0, 0: 6.0, 9: 6.0}
+    assert (d.tree.held(2), d.tree.held(2, Tier.L1), d.tree.held(2, Tier.L2)) == (4, 3, 2)
+    assert d.summary()["nodes"]["c"] | {"phase": None} == {
+        "phase": None, "blocks": 4, "host_blocks": 2, "positive_count_blocks": 0, "branches": 0}
 
 
 @pytest.mark.parametrize("nodes", [3, 30])

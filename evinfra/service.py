@@ -233,7 +233,8 @@ class Service:
         own = sub.branch is None and branch not in self.directory.branches
         f = _Flight(rid, branch, final, tokens, sub.sampling, sink, now)
         decision = self.router.route(
-            RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, parent, final), now)
+            RouteRequest(rid, branch, tokens, sub.sampling.max_tokens, parent, final,
+                         reuse=not sub.sampling.prompt_logprobs), now)
         if isinstance(decision, Refusal):
             self.counters["refused"] += 1
             self.router.finished(rid, now)

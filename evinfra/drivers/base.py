@@ -56,8 +56,9 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     it so (only sent to engines whose ``constrains_output``)."""
     prompt_logprobs: bool = False
     """With ``logprobs``: the same for each prompt token but the first
-    (``PrefillDone.prompt_logprobs``). SGLang recomputes the prompt for them (it reuses no
-    cached KV); the fake engines make them up as they do an output's."""
+    (``PrefillDone.prompt_logprobs``). The engine computes the whole prompt for them (it
+    reuses no cached KV; nothing is fetched); the fake engines make them up as they do an
+    output's."""
 
 
 class PrefillOrder(msgspec.Struct, frozen=True, gc=False):

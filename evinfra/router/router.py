@@ -76,6 +76,9 @@ class RouteRequest(msgspec.Struct, frozen=True, gc=False):
     parent: BranchId | None = None
     final: bool = False
     """The branch ends with this request (the harness said so)."""
+    reuse: bool = True
+    """False: the engine recomputes the whole prompt (its log-probabilities are asked for),
+    so no cached prefix counts anywhere and nothing is fetched."""
 
 
 class NodeLoad(msgspec.Struct, frozen=True, gc=False):
@@ -163,17 +166,18 @@ _FLOOR = attrgetter("floor")
 
 
 class _Req:
-    __slots__ = ("id", "branch", "path", "t_in", "need", "final", "prefill", "decode", "started",
-                 "done", "admitted")
+    __slots__ = ("id", "branch", "path", "t_in", "need", "final", "reuse", "prefill", "decode",
+                 "started", "done", "admitted")
 
     def __init__(self, rid: RequestId, branch: BranchId, path: HashedPath, t_in: int,
-                 need: int, final: bool) -> None:
+                 need: int, final: bool, reuse: bool = True) -> None:
         self.id = rid
         self.branch = branch
         self.path = path
         self.t_in = t_in
         self.need = need
         self.final = final
+        self.reuse = reuse
         self.prefill: NodeId | None = None
         self.decode: NodeId | None = None
         self.started = False
@@ -356,14 +360,18 @@ class Router:
             step = self.directory.step(req.branch, req.tokens, req.parent)
             t_in = int(np.asarray(req.tokens).size)
             need = int((t_in + req.max_tokens) * self.config.decode_reserve_tokens)
-            r = _Req(req.request, req.branch, step.path, t_in, need, req.final)
+            r = _Req(req.request, req.branch, step.path, t_in, need, req.final, req.reuse)
         nodes = self._prefill_nodes()
         if not nodes:
             log.warning("route_refused", request=req.request, phase="prefill",
                         reason="no healthy prefill node")
             return Refusal(req.request, "prefill", "no healthy prefill node outside a switch")
         self._reqs[r.id] = r
-        match = self.directory.match(r.path)
+        if r.reuse:
+            match = self.directory.match(r.path)
+        else:
+            none = [0] * len(self.directory.tree.nodes)
+            match = PrefixMatch(0, none, list(none))
         view = _View(self, r, nodes, match, now)
         best = self.prefill.choose(view)
         if isinstance(best, Hold):

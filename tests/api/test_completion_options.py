@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from evinfra.drivers.fake.outputs import OutputPlanner
-from tests.api.conftest import body, model_says, openai_client, spy_submissions
+from tests.api.conftest import (body, model_says, openai_client, spy_prefill_orders,
+                                spy_submissions)
 
 PROMPT = "Once upon a time"
 
@@ -72,6 +73,22 @@ async def test_echo_with_logprobs_scores_the_prompt(client, service, monkeypatch
         model="evinfra-fake", prompt=PROMPT, max_tokens=20, logprobs=1)
     assert r.choices[0].logprobs.tokens == list(", a fake engine")  # no echo: output only
     assert submitted[-1].sampling.prompt_logprobs is False
+
+
+async def test_the_prompts_logprobs_take_its_whole_computation(client, service):
+    """The engine computes every prompt token for them (SGLang reuses no cached prefix
+    then): the router counts no cached prefix and plans no fetch, and none is reported."""
+    kw = dict(model="evinfra-fake", prompt="x" * 3000, max_tokens=2,
+              extra_headers={"X-Evinfra-Branch-Id": "eval-1"})
+    orders = spy_prefill_orders(service)
+    api = openai_client(client)
+    await api.completions.create(**kw)
+    r = await api.completions.create(**kw)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 3000 - 64  # the prompt's KV is there
+    r = await api.completions.create(echo=True, logprobs=0, **kw)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert orders[1].cached_tokens >= 3000 - 64
+    assert orders[2].cached_tokens == 0 and orders[2].fetch == []
 
 
 async def test_an_evaluation_harness_scores_continuations(client):

@@ -101,7 +101,9 @@ class PrefillSide:
             if added:
                 rec.load_s = (self.config.fetch_latency
                               + added * page * self.config.fetch_s_per_token)
-        held = c.prefix(path)  # other requests may have stored more of it meanwhile
+        # Other requests may have stored more of it meanwhile. The prompt's log-probabilities
+        # take its whole computation (SGLang reuses no prefix for them).
+        held = 0 if rec.order.sampling.prompt_logprobs else c.prefix(path)
         c.extend_lock(path, rec.locked, held, now)
         rec.locked = held
         restore = rec.locked - c.tier_prefix(path, rec.locked, Tier.L1)

@@ -51,6 +51,22 @@ def test_prefix_reuse_and_at_least_one_computed_token() -> None:
     assert [("a2", PAGE, 6400 - PAGE, 0)] in chunks(h)
 
 
+def test_the_prompts_logprobs_take_its_whole_computation() -> None:
+    """SGLang reuses no cached prefix when the prompt's log-probabilities are asked: the
+    fake engine computes the whole prompt too, and reports each token's but the first."""
+    h = Harness()
+    a = tokens(640)
+    h.submit("a", a)
+    h.run(2)
+    h.submit("again", a, logprobs=1, prompt_logprobs=True)
+    h.run(4)
+    done = h.one(PrefillDone, request="again")
+    assert (done.cached, done.computed) == (0, 640)
+    assert len(done.prompt_logprobs.sampled) == 639
+    assert all(len(top) == 1 for top in done.prompt_logprobs.top)
+    assert h.one(PrefillDone, request="a").prompt_logprobs is None
+    h.check()
+
 def test_host_copies_are_restored_and_counted_in_t_rst() -> None:
     h = Harness(l1_tokens=20_000)
     a = tokens(15_000)

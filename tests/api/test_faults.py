@@ -39,6 +39,20 @@ async def test_a_crash_mid_decode_fails_the_request_and_the_rest_keeps_serving(c
     assert node not in {v.prefill for v in service._flights.values()}
 
 
+async def test_a_restarted_node_is_routed_to_again(client, service):
+    engine(service, "n0").crash()
+    r = await completion(client, "while n0 is down")
+    assert r.status == 200
+    status = await (await client.get("/v1/evinfra/status")).json()
+    assert not status["nodes"]["n0"]["healthy"]
+    engine(service, "n0").restart()
+    status = await (await client.get("/v1/evinfra/status")).json()
+    assert status["nodes"]["n0"]["healthy"]
+    r = await completion(client, "n0 is back, " * 20)  # all idle: the first node by name
+    assert r.status == 200, await r.text()
+    d = service.directory
+    assert d.tree.held(d.index("n0")) >= 3  # it prefilled: its new KV is in the directory
+
 async def test_a_crash_before_the_prefill_starts_reroutes_the_request(client, service):
     engine(service, "n0").stall()  # the first request goes to n0 (all idle, name order)
     task = asyncio.ensure_future(completion(client, "rerouted please", max_tokens=5))

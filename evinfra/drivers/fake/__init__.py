@@ -16,14 +16,14 @@ Public API::
         .submit_prefill(order) .submit_decode(order) .withdraw(request) .abort(request)
         .switch_phase(phase) .push_hints(delta) .healthy()
     FakeEngine                                      (fault injection and inspection, tests)
-        .crash(reason="crashed")   .stall()   .resume()
+        .crash(reason="crashed")   .restart()   .stall()   .resume()
         .kv.drop_next(n=1)   .kv.duplicate_next(n=1)   .kv.reorder_next(n=1)
         .cache: NodeCache (.check_invariants(), .l1_used, .l2_used, .kv_room)
         .phase  .down  .stalled
 
 Everything an engine says goes on the bus: ``NodeKVEvents``, ``IterationReport``,
 ``NodeState``, ``PrefillStarted``, ``PrefillDone``, ``TokensOut``, ``RequestFailed``,
-``Withdrawn``, ``PhaseSwitched``, ``NodeDown`` (``core/events.py``). The engines heartbeat
+``Withdrawn``, ``PhaseSwitched``, ``NodeDown``, ``NodeUp`` (``core/events.py``). The engines heartbeat
 forever: run a ``VirtualClock`` with ``until``.
 """
 

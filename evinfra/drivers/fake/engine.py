@@ -37,8 +37,8 @@ import numpy as np
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
-from evinfra.core.events import (AllBlocksCleared, KVEvent, NodeDown, NodeState, PhaseSwitched,
-                                 PrefillItem, RequestFailed, Withdrawn)
+from evinfra.core.events import (AllBlocksCleared, KVEvent, NodeDown, NodeState, NodeUp,
+                                 PhaseSwitched, PrefillItem, RequestFailed, Withdrawn)
 from evinfra.core.types import Phase, RequestId
 from evinfra.directory.branches import HintDelta
 from evinfra.drivers.base import DecodeOrder, PrefillOrder
@@ -90,6 +90,7 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._switch_to: Phase | None = None
         self._busy: str | None = None  # what is in flight: "prefill", "decode", "switch"
         self._timer: Timer | None = None
+        self._beat: Timer | None = None
         self._was_busy = False
         self._prefilled = False  # the last iteration was a prefill
         self._dirty = False  # something a batched decode run must stop for
@@ -153,10 +154,28 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._deferred.clear()
         self._kv_events.clear()
         self._fail_all(now, f"node {self.node} down: {reason}")
+        if self._beat is not None:
+            self._beat.cancel()
         self._out.append(NodeDown(self.node, now, reason))
         self.cache.clear()
         self._flush()
         self.cluster.node_down(self.node)
+
+    def restart(self) -> None:
+        """The crashed engine is relaunched: empty and idle, in the phase it had (a switch
+        under way died with it). ``NodeUp`` then ``PhaseSwitched`` say so, as a restarted
+        SGLang engine's driver does, and the heartbeat resumes."""
+        if not self.down:
+            return
+        self.down = False
+        self._switch_to = self._busy = None
+        self._was_busy = self._prefilled = self._dirty = False
+        self._batch_changed = True
+        self._last_state = float("-inf")  # its state goes out at once
+        now = self.clock.now()
+        self._out.append(NodeUp(self.node, now))
+        self._out.append(PhaseSwitched(self.node, self.phase.value, now))
+        self._enter(self._heartbeat)
 
     def _fail_all(self, now: float, error: str) -> None:
         """Every request on the node fails (``started`` as far as it got) and is forgotten,
@@ -272,7 +291,7 @@ class FakeEngine(PrefillSide, DecodeSide):
         if now + 1e-9 >= due:
             self._state(now)
             due = now + period
-        self._at(due, self._heartbeat)
+        self._beat = self._at(due, self._heartbeat)
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from fake_harness import TEST_TIMING, Harness, path, tokens
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
-from evinfra.core.events import (AllBlocksCleared, NodeDown, NodeState, PhaseSwitched,
+from evinfra.core.events import (AllBlocksCleared, NodeDown, NodeState, NodeUp, PhaseSwitched,
                                  PrefillDone, PrefillStarted, RequestFailed, TokensOut, Withdrawn)
 from evinfra.core.types import Phase, Tier
 from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
@@ -125,6 +125,26 @@ def test_a_crash_fails_in_flight_requests_and_later_orders() -> None:
     h.run(10)
     assert not [e for e in h.events[n:] if getattr(e, "node", None) in ("p1", "d0")]
 
+
+def test_a_restarted_engine_serves_again_empty_in_its_phase() -> None:
+    """Crashed mid-prefill and mid-switch, then relaunched: ``NodeUp``, then its phase and
+    state, heartbeats again, and serves."""
+    h = Harness(nodes=[("p0", Phase.PREFILL), ("p1", Phase.PREFILL), ("d0", Phase.DECODE)])
+    h.submit("lost", tokens(30_000), prefill="p1")
+    h.run(1.02)
+    h.engines["p1"].switch_phase(Phase.DECODE)
+    h.engines["p1"].crash("power")
+    h.run(1.5)
+    n = len(h.events)
+    h.engines["p1"].restart()
+    assert [type(e) for e in h.events[n:n + 3]] == [NodeUp, PhaseSwitched, NodeState]
+    assert h.events[n + 1] == PhaseSwitched("p1", "prefill", 1.5)
+    assert h.engines["p1"].healthy() and h.engines["p1"].cache.l1_used == 0
+    h.submit("again", tokens(3_000, seed=3), prefill="p1")
+    h.run(10.2)
+    assert h.output("again")[1] == "length" and h.one(PrefillDone, request="again").cached == 0
+    assert len([e for e in h.of(NodeState, node="p1") if e.time > 1.5 and not e.launched]) >= 8
+    h.check()
 
 def test_a_crashed_decode_node_releases_the_prefill_side() -> None:
     h = Harness()

@@ -85,29 +85,25 @@ class LogprobReader:
         """The next tokens in the completions shape: parallel lists of ``tokens``,
         ``token_logprobs``, ``top_logprobs`` (text to log-probability) and ``text_offset``
         (each token's first character in the choice's text)."""
-        tokens, sampled, top, offsets = [], [], [], []
-        tok = self.tok
-        for token, i in zip(ids, self._take(ids)):
-            text = _token_text(tok, token)[0]
-            tokens.append(text)
-            sampled.append(self.sampled[i])
-            top.append({_token_text(tok, alt)[0]: lp for alt, lp in self.top[i][:self.k]})
-            offsets.append(self._offset)
-            self._offset += len(text)
-        return {"tokens": tokens, "token_logprobs": sampled, "top_logprobs": top,
-                "text_offset": offsets}
+        span = self._take(ids)
+        return self._completion(ids, [self.sampled[i] for i in span],
+                                [self.top[i] for i in span])
 
     def prompt(self, ids: Sequence[int], logprobs: TokenLogprobs | None) -> dict:
         """A prompt's tokens in the completions shape, for ``echo``: the first token has no
-        log-probability (None, as OpenAI's), the others the engine's
+        log-probability (None, and None alternatives, as OpenAI's), the others the engine's
         (``PrefillDone.prompt_logprobs``). The output's offsets then follow the prompt's."""
         if logprobs is None or len(logprobs.sampled) != len(ids) - 1:
             raise EvinfraError("the engine did not report the prompt's log-probabilities")
+        return self._completion(ids, [None, *logprobs.sampled], [None, *logprobs.top])
+
+    def _completion(self, ids: Sequence[int], sampled: list[float | None],
+                    tops: list[list[tuple[int, float]] | None]) -> dict:
         tok = self.tok
         tokens = [_token_text(tok, t)[0] for t in ids]
         offsets = list(accumulate(map(len, tokens), initial=self._offset))
         self._offset = offsets.pop()
-        return {"tokens": tokens, "token_logprobs": [None, *logprobs.sampled],
-                "top_logprobs": [None, *({_token_text(tok, alt)[0]: lp for alt, lp in top[:self.k]}
-                                         for top in logprobs.top)],
+        top = [None if alts is None else {_token_text(tok, a)[0]: lp for a, lp in alts[:self.k]}
+               for alts in tops]
+        return {"tokens": tokens, "token_logprobs": sampled, "top_logprobs": top,
                 "text_offset": offsets}

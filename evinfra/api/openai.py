@@ -43,6 +43,9 @@ _ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 _MAX_SAMPLED = 2048
 """Requests one completion may make: its prompts times its candidates per prompt."""
 
+_Echo = Callable[[Sample], tuple[str, dict | None]]
+"""A choice's echoed prompt: its text and, with ``logprobs``, its entries (else None)."""
+
 
 def _token_ids(ids: list, param: str = "prompt") -> np.ndarray:
     if not ids or not all(type(i) is int for i in ids):
@@ -276,14 +279,15 @@ class OpenAIRoutes:
                         None, hints.branch_id, True, s.rid), s.channel)
             return send
 
-        def prompt_logprobs(s: Sample) -> dict | None:
-            """Choice ``s``'s prompt entries, for ``echo`` with ``logprobs`` (else None):
-            the engine reported them to its prompt's first choice, which has started (the
-            others are sent then), so they are in."""
-            if chat or not body.echo or body.logprobs is None:
-                return None
+        def echo(s: Sample) -> tuple[str, dict | None]:
+            """Choice ``s``'s prompt text and, for ``echo`` with ``logprobs``, its prompt
+            entries (else None): the engine reported them to the prompt's first choice,
+            which has started (the others are sent then), so they are in."""
             p = s.index // count
-            return s.logprobs.prompt(prompts[p].tolist(), samples[p * count].channel.prompt)
+            if chat or not body.echo or body.logprobs is None:
+                return echoes[p], None
+            return echoes[p], s.logprobs.prompt(prompts[p].tolist(),
+                                                samples[p * count].channel.prompt)
 
         stops = stop_strings(body.stop)
         streams = [outputs(self.service, self.tok, s, stops,
@@ -294,9 +298,8 @@ class OpenAIRoutes:
             prompt = sum(int(t.size) for t in prompts)
             if body.stream:
                 return await self._stream(request, rid, body, samples, streams, chat, prompt,
-                                          echoes, prompt_logprobs)
-            return await self._whole(rid, body, samples, streams, chat, prompt, echoes,
-                                     prompt_logprobs)
+                                          count, echo)
+            return await self._whole(rid, body, samples, streams, chat, prompt, count, echo)
         finally:
             # The answer is out, the client went away or a choice failed: no choice still
             # running is wanted now (a finished one is not aborted).
@@ -314,17 +317,13 @@ class OpenAIRoutes:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,
-                     prompt: int, echoes: Sequence[str],
-                     prompt_logprobs: Callable[[Sample], dict | None]) -> web.Response:
-        count = len(samples) // len(echoes)  # choices per prompt
+                     prompt: int, count: int, echo: _Echo) -> web.Response:
+        """``count`` choices per prompt; ``echo`` gives a choice's prompt text and entries."""
         if len(samples) == 1:
-            choices = [await self._whole_choice(body, samples[0], streams[0], chat, echoes[0],
-                                                prompt_logprobs)]
+            choices = [await self._whole_choice(body, samples[0], streams[0], chat, echo)]
         else:
             # Each choice is read as its output comes, so a stop string ends it at once.
-            tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat,
-                                                              echoes[s.index // count],
-                                                              prompt_logprobs))
+            tasks = [asyncio.ensure_future(self._whole_choice(body, s, o, chat, echo))
                      for s, o in zip(samples, streams)]
             try:
                 choices = await asyncio.gather(*tasks)
@@ -343,8 +342,8 @@ class OpenAIRoutes:
             "created": int(time.time()), "model": self.model.name, "choices": choices,
             "usage": self._usage(samples, prompt, count)})
 
-    async def _whole_choice(self, body, sample: Sample, stream, chat: bool, echo: str,
-                            prompt_logprobs: Callable[[Sample], dict | None]) -> dict:
+    async def _whole_choice(self, body, sample: Sample, stream, chat: bool,
+                            echo: _Echo) -> dict:
         reasoning, content, finish = await whole(sample, stream)
         message: dict = {"role": "assistant"}
         out = sample.out
@@ -357,22 +356,21 @@ class OpenAIRoutes:
             finish = out.finish(finish)
         message["content"] = content
         i = sample.index
-        echoed = prompt_logprobs(sample)  # first: the output's text offsets follow it
+        text, echoed = echo(sample)  # first: the output's text offsets follow the prompt's
         logprobs = _logprobs_of(sample.logprobs, sample.ids, chat)
         if echoed is not None:
             logprobs = {key: echoed[key] + logprobs[key] for key in echoed}
         choice = ({"index": i, "message": message, "finish_reason": finish,
                    "logprobs": logprobs} if chat else
-                  {"index": i, "text": echo + content, "finish_reason": finish,
+                  {"index": i, "text": text + content, "finish_reason": finish,
                    "logprobs": logprobs})
         if body.return_token_ids:
             choice["token_ids"] = sample.ids
         return choice
 
     async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
-                      streams: list, chat: bool, prompt: int, echoes: Sequence[str],
-                      prompt_logprobs: Callable[[Sample], dict | None]) -> web.StreamResponse:
-        count = len(samples) // len(echoes)  # choices per prompt
+                      streams: list, chat: bool, prompt: int, count: int,
+                      echo: _Echo) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         created = int(time.time())
@@ -432,8 +430,8 @@ class OpenAIRoutes:
             elif body.echo:
                 if item is None:  # the prompt's log-probabilities are in by then
                     item = await stream.__anext__()
-                yield chunk(sample, echoes[sample.index // count], None,
-                            logprobs=prompt_logprobs(sample))
+                text, echoed = echo(sample)
+                yield chunk(sample, text, None, logprobs=echoed)
             if item is None:
                 item = await stream.__anext__()
             while item[0] == "text":

@@ -23,8 +23,8 @@ Public API::
 
 Everything an engine says goes on the bus: ``NodeKVEvents``, ``IterationReport``,
 ``NodeState``, ``PrefillStarted``, ``PrefillDone``, ``TokensOut``, ``RequestFailed``,
-``Withdrawn``, ``PhaseSwitched``, ``NodeDown``, ``NodeUp`` (``core/events.py``). The engines heartbeat
-forever: run a ``VirtualClock`` with ``until``.
+``Withdrawn``, ``PhaseSwitched``, ``NodeDown``, ``NodeUp`` (``core/events.py``). The
+engines heartbeat forever: run a ``VirtualClock`` with ``until``.
 """
 
 from evinfra.drivers.fake.cluster import FakeCluster

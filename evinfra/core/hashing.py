@@ -11,6 +11,10 @@ with no prefix for the first page. The hash an event carries is the first 8 byte
 A branch's next request usually extends the previous context, so :class:`PathHasher` keeps
 the previous tokens and digests and hashes only the pages after the common prefix: the cost
 is one ``memcmp``-speed comparison plus O(new pages) SHA-256 calls, not O(context) hashing.
+
+Because a hash names its block and the whole prefix before it, a cache that evicts leaves
+first holds a prefix-closed set of hashes: :func:`held_prefix` finds how much of a path it
+holds by binary search.
 """
 
 from __future__ import annotations

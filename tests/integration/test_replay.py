@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,9 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from engines import free_port  # tests/integration/sglang_cpu, on the path (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replay(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -204,7 +198,7 @@ def test_a_failing_target_never_stops_the_run_and_every_error_is_counted(tmp_pat
 def test_an_unreachable_target_is_one_line_and_a_nonzero_exit(tmp_path):
     # It must give up rather than retry for the whole run: replay()'s timeout bounds it (no
     # wall-clock assertion of our own: a loaded machine starts Python slowly).
-    done = replay("--target", f"http://127.0.0.1:{_free_port()}", "--workload", "cc",
+    done = replay("--target", f"http://127.0.0.1:{free_port()}", "--workload", "cc",
                   "--agents", "1", "--duration", "600", "--out", str(tmp_path / "x"))
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "cannot reach" in done.stderr, done.stderr

@@ -26,10 +26,13 @@ __all__ = ["DecodeProgress", "OutputPlanner"]
 class OutputPlanner:
     """Plans outputs from one pool of random ids per (seed, vocabulary).
 
-    A request's ids are a slice of the pool at an offset hashed from its id: deterministic per
-    request, whatever the order requests come in, and O(1) (a generator per request costs
-    ~100 µs to seed, more than the rest of a simulated request's decode). Two requests may
-    share a run of ids; their contexts differ, so their page hashes still do."""
+    A request reads the pool from an offset with a stride, both hashed from its id:
+    deterministic per request, whatever the order requests come in, and one vectorised
+    gather (a generator per request costs ~100 µs to seed, more than the rest of a simulated
+    request's decode). The stride is odd, so a read never repeats within the pool's length,
+    and two requests with different strides share no run of ids, as two answers of a real
+    model share no long verbatim run: the service recognises an agent's answer by its
+    content when it turns up in another prompt (:mod:`evinfra.directory.carryover`)."""
 
     POOL = 1 << 20
 
@@ -40,7 +43,7 @@ class OutputPlanner:
         self.pool = rng.integers(vocab[0], vocab[1], size=self.POOL, dtype=np.uint32)
 
     def plan(self, request: str, sampling: Sampling) -> tuple[np.ndarray, str]:
-        """The output token ids of ``request`` (a read-only uint32 view) and its finish."""
+        """The output token ids of ``request`` (uint32) and its finish."""
         digest = hashlib.blake2b(request.encode(), digest_size=16,
                                  key=self.seed.to_bytes(8, "little", signed=True)).digest()
         where = int.from_bytes(digest[:8], "little")
@@ -53,8 +56,11 @@ class OutputPlanner:
             finish = "length" if n == max_tokens else "stop"
         if n > self.POOL:
             raise ValueError(f"{n} output tokens exceed the fake engine's pool of {self.POOL}")
-        start = where % (self.POOL - n + 1)
-        tokens = self.pool[start:start + n]
+        stride = 2 * (where >> 20 & (self.POOL // 2 - 1)) + 1
+        at = np.arange(n, dtype=np.int64)
+        at *= stride
+        at += where & (self.POOL - 1)
+        tokens = self.pool[at & (self.POOL - 1)]
         if not sampling.ignore_eos and sampling.stop_token_ids:
             hits = np.flatnonzero(np.isin(tokens, sampling.stop_token_ids))
             if hits.size:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -36,7 +36,7 @@ from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeSt
                                  RequestFailed, SplitChanged, TokenLogprobs, TokensOut,
                                  Withdrawn)
 from evinfra.core.types import BranchId, NodeId, Phase, RequestId
-from evinfra.directory import ChainIndex, Directory
+from evinfra.directory import Answer, CarryIndex, ChainIndex, Directory
 from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError, UnknownBranchError
 from evinfra.planner.planner import Decision, Split
@@ -76,10 +76,26 @@ class Submission(msgspec.Struct, frozen=True, gc=False):
     request: RequestId | None = None
 
 
+class _Inference(NamedTuple):
+    """A hint-less request's branch as its prompt tells it (:meth:`Service._infer`)."""
+
+    branch: BranchId
+    parent: BranchId | None
+    final: bool
+    tip: int | None = None
+    """The key its prompt leaves for the next one to extend (None: no inference)."""
+    answer: Answer | None = None
+    """Where its answer's fingerprints collect, if its branch lives on after it."""
+    joined: Sequence[BranchId] = ()
+    """Sub-agents whose reports its prompt takes in: they are over."""
+    compacts: bool = False
+    """It restarts its branch from a summary (a rewrite)."""
+
+
 class _Flight:
     __slots__ = ("id", "branch", "end_branch", "tokens", "sampling", "sink", "arrival", "first",
                  "prefill", "decode", "prefill_start", "cached", "fetched", "computed", "out",
-                 "admitted", "timer", "progress", "reroutes", "path", "finish")
+                 "admitted", "timer", "progress", "reroutes", "path", "finish", "answer")
 
     def __init__(self, rid: RequestId, branch: BranchId, end_branch: bool, tokens: np.ndarray,
                  sampling: Sampling, sink: RequestSink, now: float) -> None:
@@ -101,6 +117,7 @@ class _Flight:
         self.reroutes = 0
         self.path: list[int] = []
         self.finish: str | None = None
+        self.answer: Answer | None = None
 
 
 class Service:
@@ -138,6 +155,7 @@ class Service:
         # Branches of requests without hints, inferred from their prompts.
         self.chains = (ChainIndex(config.cluster.page_size) if config.server.infer_branches
                        else None)
+        self.carry = CarryIndex()
         # Branches by the time they were last active, least recent first: named ones
         # (``server.branch_idle_s``) and inferred ones (``server.inferred_branch_idle_s``).
         # And every branch's requests in flight.
@@ -149,7 +167,8 @@ class Service:
         # submitted = ok + failed + aborted + rejected (refused: never submitted)
         self.counters = {"submitted": 0, "ok": 0, "failed": 0, "aborted": 0, "rejected": 0,
                          "refused": 0, "rerouted": 0, "timeouts": 0, "switches": 0,
-                         "branches_expired": 0, "branches_inferred": 0, "requests_chained": 0}
+                         "branches_expired": 0, "branches_inferred": 0, "requests_chained": 0,
+                         "branches_joined": 0, "compactions_inferred": 0}
         self._subscribe()
 
     @classmethod
@@ -225,9 +244,10 @@ class Service:
         if tokens.size == 0:
             raise RequestError("the prompt is empty", param="prompt")
         if sub.branch is not None:
-            branch, parent, final, tip = sub.branch, sub.parent, sub.final, None
+            guess = _Inference(sub.branch, sub.parent, sub.final)
         else:
-            branch, parent, final, tip = self._infer(rid, tokens, sub.parent, sub.final)
+            guess = self._infer(rid, tokens, sub.parent, sub.final)
+        branch, parent, final, tip = guess.branch, guess.parent, guess.final, guess.tip
         # A hint-less request's branch is its own if this request starts it (nothing else
         # knows it then).
         own = sub.branch is None and branch not in self.directory.branches
@@ -250,6 +270,12 @@ class Service:
             if not final:
                 self.counters["requests_chained"] += 1
                 self.counters["branches_inferred"] += own
+            for done in guess.joined:
+                self._end(done)
+            self.counters["branches_joined"] += len(guess.joined)
+            self.counters["compactions_inferred"] += guess.compacts
+        self.carry.forget(branch)  # in flight again: its last answer is not its last
+        f.answer = guess.answer
         self.counters["submitted"] += 1
         self._flights[rid] = f
         self._active[branch] += 1
@@ -263,22 +289,40 @@ class Service:
         return rid
 
     def _infer(self, rid: RequestId, tokens: np.ndarray, parent: BranchId | None,
-               final: bool) -> tuple[BranchId, BranchId | None, bool, int | None]:
-        """``(branch, parent, final, tip key)`` of a request without a branch: the inferred
-        branch whose tip its prompt extends, or a fork of it, or a new one (see
-        :mod:`evinfra.directory.chains`); with no tip, a branch of one. A request that names
-        a parent, or ends its branch, is a branch of one, as is any without inference."""
+               final: bool) -> _Inference:
+        """The branch of a request without one (see :mod:`evinfra.directory.chains` and
+        :mod:`evinfra.directory.carryover`), first that applies:
+
+        - the live inferred branch whose latest tip its prompt extends;
+        - the idle branch whose last answer its prompt holds after the same first page,
+          past the tip it extends if any (a compaction, or a context edited after an
+          earlier turn): that branch goes on, rewritten;
+        - a fork of the live branch whose earlier tip it extends;
+        - a new branch if it extends some other tip, a branch of one if none.
+
+        A prompt that extends a tip and takes in other idle branches' last answers
+        (sub-agents' reports) ends those branches. A request that names a parent, or ends
+        its branch, is a branch of one, as is any without inference."""
         one = f"~{rid}"
         if self.chains is None or parent is not None or final:
-            return one, parent, True, None
+            return _Inference(one, parent, True)
         keys = self.chains.keys(tokens)
         tip = self.chains.tip(keys, int(tokens.size))
         if tip is None:
-            return one, None, True, None
+            return _Inference(one, None, True)
         found = self.chains.find(keys, self.directory.branches)
+        carried = self.carry.find(tokens, found.pages * self.chains.page_size, keys[0],
+                                  (found.continues,))
+        answer = Answer(keys[0])
         if found.continues is not None:
-            return found.continues, None, False, tip
-        return one, found.fork_of, not found.chained, tip
+            return _Inference(found.continues, None, False, tip, answer, carried.branches)
+        for branch, same_start in zip(*carried):
+            if same_start and found.fork_of in (None, branch):
+                others = [b for b in carried.branches if b != branch] if found.chained else []
+                return _Inference(branch, None, False, tip, answer, others, compacts=True)
+        if found.chained:
+            return _Inference(one, found.fork_of, False, tip, answer, carried.branches)
+        return _Inference(one, None, True, tip)
 
     def abort(self, request: RequestId) -> None:
         """The client went away: stop the request everywhere, quietly."""
@@ -415,6 +459,8 @@ class Service:
         f.out += len(ev.tokens)
         if len(ev.tokens):
             f.sink.tokens(ev.tokens, ev.logprobs)
+            if f.answer is not None:
+                f.answer.add(np.asarray(ev.tokens, np.uint32))
         if ev.finish is not None:
             f.finish = ev.finish
             self._close(f, "ok", None)
@@ -503,6 +549,8 @@ class Service:
                 self._end(f.branch)
         elif f.branch in self.directory.branches:
             self._idle_from(f.branch, now)
+            if f.answer is not None and status == "ok" and not self._active[f.branch]:
+                self.carry.answered(f.branch, f.answer)
         self._flush_hints()
         self._check_drains()
         record = RequestDone(
@@ -562,6 +610,7 @@ class Service:
         self._inferred_idle_since.pop(branch, None)
         if self.chains is not None:
             self.chains.forget(branch)
+        self.carry.forget(branch)
 
     def _idle_limits(self) -> list[tuple[dict[BranchId, float], float]]:
         """Each idle order and how long its branches may idle (orders never swept left out:

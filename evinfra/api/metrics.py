@@ -103,6 +103,14 @@ class _ClusterCollector:
         yield GaugeMetricFamily("evinfra_inferred_branches",
                                 "Active branches inferred from requests without hints",
                                 value=len(s.chains) if s.chains is not None else 0)
+        c = CounterMetricFamily("evinfra_inferred_branch_events",
+                                "Branch inference for requests without hints: branches "
+                                "started, requests chained, branches ended by a join, "
+                                "compactions", labels=["event"])
+        for event in ("branches_inferred", "requests_chained", "branches_joined",
+                      "compactions_inferred"):
+            c.add_metric([event], s.counters[event])
+        yield c
         c = CounterMetricFamily("evinfra_kv_event_problems", "Tolerated bad KV events",
                                 labels=["problem"])
         for f in ("unknown_parent", "unknown_removal", "duplicate_hash", "unknown_node",

@@ -14,11 +14,13 @@ a new hint-less request whose prompt has a tip among its own prefixes extends th
   an earlier turn sent again);
 - a new branch, if the tip was a branch of one (a chain's first request is kept as a branch
   of one, so a one-off request holds no count) or its branch has ended;
-- a branch of one, with no tip (a first request, a sub-agent's fresh context, a compacted
-  history): it ends with its request, and only its tip remains.
+- a branch of one, with no tip (a first request, a sub-agent's fresh context): it ends
+  with its request, and only its tip remains.
 
-A compaction or the end of an agent cannot be seen this way; the service ends an inferred
-branch once it has been idle for ``server.inferred_branch_idle_s``.
+A sub-agent's end and a compaction (a fresh context that goes on from a branch's summary)
+show where the branch's last answer turns up next (:mod:`evinfra.directory.carryover`); the
+end of an agent cannot be seen at all, so the service ends an inferred branch once it has
+been idle for ``server.inferred_branch_idle_s``.
 
 Keys are not the block hashes: finding the tip must not cost a SHA-256 pass over a context
 whose branch is not known yet. A prompt's key at page ``i`` is ``Σ (token_t + 1) · w_t mod
@@ -47,11 +49,13 @@ _SEED = 0x6576696E  # fixed: the same prompt has the same keys in every run
 class Inferred(NamedTuple):
     """What a hint-less request's prompt extends. ``continues``: a live branch whose latest
     tip it extends; ``fork_of``: a live branch it extends an earlier tip of; ``chained``: it
-    extends some earlier hint-less request (False: no tip, a branch of one)."""
+    extends some earlier hint-less request (False: no tip, a branch of one); ``pages``: the
+    prompt's leading full pages that tip spans."""
 
     continues: BranchId | None
     fork_of: BranchId | None
     chained: bool
+    pages: int = 0
 
 
 _NONE = Inferred(None, None, False)
@@ -109,12 +113,13 @@ class ChainIndex:
         key = next(filter(tips.__contains__, reversed(keys)), None)
         if key is None:
             return _NONE
+        pages = keys.index(key) + 1
         branch = tips[key]
         if branch is None or branch not in live:
-            return Inferred(None, None, True)
+            return Inferred(None, None, True, pages)
         if self._latest.get(branch) == key:
-            return Inferred(branch, None, True)
-        return Inferred(None, branch, True)
+            return Inferred(branch, None, True, pages)
+        return Inferred(None, branch, True, pages)
 
     def record(self, key: int, branch: BranchId | None) -> None:
         """A hint-less request whose last key is ``key`` was submitted on ``branch`` (None: a

@@ -46,6 +46,10 @@ class ControlSummary(msgspec.Struct, frozen=True):
     """Branches the service inferred for requests without hints (``--no-hints``), whole run."""
     requests_chained: int = 0
     """Requests without hints that joined an inferred branch, whole run."""
+    branches_joined: int = 0
+    """Inferred branches ended because another prompt took in their last answer."""
+    compactions_inferred: int = 0
+    """Requests without hints that restarted an inferred branch from its last answer."""
 
 
 def _r(x: float) -> float:
@@ -117,4 +121,6 @@ class ControlRecorder:
             split_timeline=list(self.timeline),
             decision_log=[(t, r) for t, r in self.decisions if start <= t < end],
             branches_inferred=self.service.counters["branches_inferred"],
-            requests_chained=self.service.counters["requests_chained"])
+            requests_chained=self.service.counters["requests_chained"],
+            branches_joined=self.service.counters["branches_joined"],
+            compactions_inferred=self.service.counters["compactions_inferred"])

@@ -60,7 +60,9 @@ def _markdown(r: Report, wall: float | None) -> str:
     ]
     if not run.hints:
         lines.append(f"- the agents sent no branch hints: {c.branches_inferred} branches "
-                     f"inferred, {c.requests_chained} requests joined one")
+                     f"inferred, {c.requests_chained} requests joined one, "
+                     f"{c.branches_joined} ended by a prompt taking in their last answer, "
+                     f"{c.compactions_inferred} compactions seen")
     if wall:
         lines.append(f"- wall time {wall:.1f} s ({s.requests / wall:.0f} scored requests per "
                      "wall second)")

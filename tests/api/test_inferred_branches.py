@@ -1,10 +1,13 @@
 """Requests without branch hints (a harness as it ships) join the branch whose last prompt
 theirs extends (``evinfra/directory/chains.py``): through the chat and Messages APIs, an agent
 loop is one branch from its second turn, a second continuation of one turn forks it, an
-unrelated or one-off request holds no count, an idle inferred branch ends, and
+unrelated or one-off request holds no count, a compaction that restarts from the branch's
+last answer rewrites the branch, a sub-agent whose report its parent takes in ends
+(``evinfra/directory/carryover.py``), an idle inferred branch ends, and
 ``server.infer_branches = false`` leaves each request a branch of one."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -87,6 +90,80 @@ async def test_a_compaction_starts_a_new_chain(client, service):
     turn = await chat(client, tool(turn, "resumed"))
     live = inferred(service)
     assert old in live and len(live) == 2  # the old chain waits for its idle limit
+
+
+async def test_a_compaction_that_restarts_from_the_summary_rewrites_the_branch(client, service):
+    c = service.counters
+    system = {"role": "system", "content": SYSTEM}
+    turn = await chat(client, await chat(client, [system, {"role": "user", "content": "task"}]))
+    (branch,) = inferred(service)
+    # The compaction request continues the branch; its answer is the summary ...
+    turn = await chat(client, turn + [{"role": "user", "content": "Summarize."}], 120)
+    summary = turn[-1]["content"]
+    # ... which the compacted context carries after the same system prompt.
+    compacted = [system, {"role": "user", "content": f"Earlier work, summarized:\n{summary}"}]
+    turn = await chat(client, compacted)
+    assert inferred(service) == {branch} and c["compactions_inferred"] == 1
+    assert service.directory.branches.version(branch) == 2  # E.1: a rewrite
+    await chat(client, tool(turn, "resumed"))
+    assert inferred(service) == {branch} and service.directory.branches.version(branch) == 2
+
+
+async def test_a_sub_agents_report_taken_in_by_its_parent_ends_it(client, service):
+    c = service.counters
+    parent, p, sub, s = await parent_and_sub_agent(client, service)
+    report = sub[-1]["content"]
+    # A fresh context quoting the report (another system prompt) neither ends nor rewrites.
+    await chat(client, [{"role": "user", "content": f"Review this: {report}"}])
+    assert inferred(service) == {p, s} and service.directory.branches.version(s) == 1
+    # The parent's next prompt takes the report in: the sub-agent is over.
+    await chat(client, parent + [{"role": "user", "content": f"Task result: {report}"}])
+    assert inferred(service) == {p} and c["branches_joined"] == 1
+    assert s not in service.directory.branches and any(service.branch_counts(p).values())
+    r = await client.get("/metrics")
+    assert 'evinfra_inferred_branch_events_total{event="branches_joined"} 1.0' in await r.text()
+
+
+async def parent_and_sub_agent(client, service):
+    """A parent chain and a sub-agent chain of two requests each; the sub-agent's report."""
+    parent = await chat(client, await chat(client, [{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": "build it"}]))
+    (p,) = inferred(service)
+    sub_system = {"role": "system", "content": "You search the code base and report. " * 4}
+    sub = await chat(client, [sub_system, {"role": "user", "content": "find the loader"}])
+    sub = await chat(client, tool(sub, "grep: config.py"), 100)
+    (s,) = inferred(service) - {p}
+    return parent, p, sub, s
+
+
+async def stream_chat(client, messages):
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": 400, "ignore_eos": True,
+        "stream": True})
+    assert r.status == 200
+    return r
+
+
+@pytest.mark.parametrize("config_overrides", [{"fake": {"d0": 0.02}}])
+async def test_only_a_whole_answer_of_an_idle_branch_ends_it(client, service):
+    parent, p, sub, s = await parent_and_sub_agent(client, service)
+    report = sub[-1]["content"]
+    # The sub-agent goes on: while its request is in flight, its last answer is not its last.
+    resp = await stream_chat(client, tool(sub, "more"))
+    await resp.content.readline()
+    await chat(client, parent + [{"role": "user", "content": f"Task result: {report}"}])
+    assert s in inferred(service) and service.counters["branches_joined"] == 0
+    # Cut off mid-answer (the client went away): what it got so far is no answer either.
+    text = ""
+    while len(text) < 80:
+        line = (await resp.content.readline()).decode()
+        if line.startswith("data: {"):
+            text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+    resp.close()
+    while service._flights:
+        await asyncio.sleep(0.01)
+    await chat(client, parent + [{"role": "user", "content": f"Task result: {text}"}])
+    assert s in inferred(service) and service.counters["branches_joined"] == 0
 
 
 @pytest.mark.parametrize("config_overrides", [{"server": {"inferred_branch_idle_s": 0.3}}])

@@ -39,20 +39,20 @@ def test_find_continues_forks_or_starts_from_the_longest_tip():
     assert index.find(index.keys(first), live) == Inferred(None, None, False)
     index.record(index.keys(first)[-1], None)  # a branch of one: its tip stays
     second = np.concatenate([first, toks(6)])
-    assert index.find(index.keys(second), live) == Inferred(None, None, True)
+    assert index.find(index.keys(second), live) == Inferred(None, None, True, 2)
     index.record(index.keys(second)[-1], "b")
     third = np.concatenate([second, toks(9)])
-    assert index.find(index.keys(third), live) == Inferred("b", None, True)
+    assert index.find(index.keys(third), live) == Inferred("b", None, True, 3)
     index.record(index.keys(third)[-1], "b")
     assert "b" in index and len(index) == 1
     # The second turn again (an earlier tip of b): a fork of b.
     again = np.concatenate([second, toks(5)])
-    assert index.find(index.keys(again), live) == Inferred(None, "b", True)
+    assert index.find(index.keys(again), live) == Inferred(None, "b", True, 3)
     # A request identical to b's last one continues b.
-    assert index.find(index.keys(third), live) == Inferred("b", None, True)
+    assert index.find(index.keys(third), live) == Inferred("b", None, True, 5)
     # Once b has ended, its tips start new branches.
     index.forget("b")
-    assert index.find(index.keys(third), set()) == Inferred(None, None, True)
+    assert index.find(index.keys(third), set()) == Inferred(None, None, True, 5)
     assert "b" not in index and len(index) == 0
 
 
@@ -63,9 +63,9 @@ def test_the_oldest_tips_go_first_but_a_live_branchs_latest_stays():
     others = [index.keys(toks(8)) for _ in range(5)]
     for keys in others:
         index.record(keys[-1], None)
-    assert index.find(live, {"live"}) == Inferred("live", None, True)
+    assert index.find(live, {"live"}) == Inferred("live", None, True, 2)
     assert index.find(others[0], {"live"}) == Inferred(None, None, False)  # dropped
-    assert index.find(others[-1], {"live"}) == Inferred(None, None, True)
+    assert index.find(others[-1], {"live"}) == Inferred(None, None, True, 2)
     assert len(index._tips) == 3
 
 

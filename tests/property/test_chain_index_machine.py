@@ -44,12 +44,13 @@ class ChainMachine(RuleBasedStateMachine):
         if not found:
             return Inferred(None, None, False)
         tip = max(found, key=len)
+        pages = len(tip) // PAGE
         branch = self.owner[tip]
         if branch is None or branch not in self.live:
-            return Inferred(None, None, True)
+            return Inferred(None, None, True, pages)
         if self.latest[branch] == tip:
-            return Inferred(branch, None, True)
-        return Inferred(None, branch, True)
+            return Inferred(branch, None, True, pages)
+        return Inferred(None, branch, True, pages)
 
     @rule(base=st.integers(0, 1 << 16), extra=st.lists(st.integers(0, 3), max_size=7),
           fresh=st.booleans())
@@ -101,7 +102,8 @@ class ChainMachine(RuleBasedStateMachine):
             tip = self.latest[b]
             if self.owner.get(tip) == b:  # no later request recorded the same prompt
                 keys = self.index.keys(np.array(tip + (0,), np.uint32))
-                assert self.index.find(keys, self.live) == Inferred(b, None, True)
+                assert self.index.find(keys, self.live) == Inferred(b, None, True,
+                                                                    len(tip) // PAGE)
 
 
 class SmallChainMachine(ChainMachine):

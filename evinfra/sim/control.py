@@ -47,9 +47,11 @@ class ControlSummary(msgspec.Struct, frozen=True):
     requests_chained: int = 0
     """Requests without hints that joined an inferred branch, whole run."""
     branches_joined: int = 0
-    """Inferred branches ended because another prompt took in their last answer."""
+    """Inferred branches ended because another prompt took in their last answer, whole
+    run."""
     compactions_inferred: int = 0
-    """Requests without hints that restarted an inferred branch from its last answer."""
+    """Requests without hints that restarted an inferred branch from its last answer (a
+    compaction), whole run."""
 
 
 def _r(x: float) -> float:

@@ -37,6 +37,27 @@ def holds_counts(service):
     return any(d.branches.counts(d.index(n)) for n in service.nodes)
 
 
+async def parent_and_sub_agent(client, service):
+    """A parent chain and a sub-agent chain of two requests each (the messages so far and the
+    inferred branch of each); the sub-agent's last answer is its report."""
+    parent = await chat(client, await chat(client, [{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": "build it"}]))
+    (p,) = inferred(service)
+    sub_system = {"role": "system", "content": "You search the code base and report. " * 4}
+    sub = await chat(client, [sub_system, {"role": "user", "content": "find the loader"}])
+    sub = await chat(client, tool(sub, "grep: config.py"), 100)
+    (s,) = inferred(service) - {p}
+    return parent, p, sub, s
+
+
+async def stream_chat(client, messages):
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": 400, "ignore_eos": True,
+        "stream": True})
+    assert r.status == 200
+    return r
+
+
 async def test_an_agent_loop_is_one_branch_from_its_second_turn(client, service):
     c = service.counters
     turn = await chat(client, [{"role": "system", "content": SYSTEM},
@@ -78,12 +99,13 @@ async def test_unrelated_requests_hold_no_counts(client, service):
     assert not service.directory.branches.branches()
 
 
-async def test_a_compaction_starts_a_new_chain(client, service):
+async def test_a_compaction_without_the_branchs_last_answer_starts_a_new_chain(client, service):
     turn = await chat(client, [{"role": "system", "content": SYSTEM},
                                {"role": "user", "content": "long task"}])
     turn = await chat(client, tool(turn, "step one done"))
     (old,) = inferred(service)
-    # The history is replaced by a summary: the prompt extends no earlier request.
+    # The history is replaced by a summary the harness wrote (not the model's last answer):
+    # the prompt extends no earlier request and holds no answer.
     compacted = [{"role": "system", "content": SYSTEM},
                  {"role": "user", "content": "summary of the work so far " * 4}]
     turn = await chat(client, compacted)
@@ -124,26 +146,6 @@ async def test_a_sub_agents_report_taken_in_by_its_parent_ends_it(client, servic
     assert 'evinfra_inferred_branch_events_total{event="branches_joined"} 1.0' in await r.text()
 
 
-async def parent_and_sub_agent(client, service):
-    """A parent chain and a sub-agent chain of two requests each; the sub-agent's report."""
-    parent = await chat(client, await chat(client, [{"role": "system", "content": SYSTEM},
-                                                    {"role": "user", "content": "build it"}]))
-    (p,) = inferred(service)
-    sub_system = {"role": "system", "content": "You search the code base and report. " * 4}
-    sub = await chat(client, [sub_system, {"role": "user", "content": "find the loader"}])
-    sub = await chat(client, tool(sub, "grep: config.py"), 100)
-    (s,) = inferred(service) - {p}
-    return parent, p, sub, s
-
-
-async def stream_chat(client, messages):
-    r = await client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": messages, "max_tokens": 400, "ignore_eos": True,
-        "stream": True})
-    assert r.status == 200
-    return r
-
-
 @pytest.mark.parametrize("config_overrides", [{"fake": {"d0": 0.02}}])
 async def test_only_a_whole_answer_of_an_idle_branch_ends_it(client, service):
     parent, p, sub, s = await parent_and_sub_agent(client, service)
@@ -160,8 +162,11 @@ async def test_only_a_whole_answer_of_an_idle_branch_ends_it(client, service):
         if line.startswith("data: {"):
             text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
     resp.close()
-    while service._flights:
+    for _ in range(200):
+        if not service._flights:
+            break
         await asyncio.sleep(0.01)
+    assert service.counters["aborted"] == 1
     await chat(client, parent + [{"role": "user", "content": f"Task result: {text}"}])
     assert s in inferred(service) and service.counters["branches_joined"] == 0
 

@@ -67,11 +67,15 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
 
 
 def _prompt_tokens(prompt: str | list[int], tok: Tokenizer) -> np.ndarray:
-    return tok.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
+    """A completion's prompt as the engines read it: a text gets the special tokens the
+    model's tokenizer adds (a BOS), as SGLang and vLLM tokenize it; token ids are taken as
+    they are."""
+    return (tok.encode(prompt, add_special_tokens=True) if isinstance(prompt, str)
+            else _token_ids(prompt))
 
 
 def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None,
-                 tok: Tokenizer) -> str:
+                 tok: Tokenizer, add_generation_prompt: bool = True) -> str:
     if not body.messages:
         raise RequestError("messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
@@ -79,7 +83,8 @@ def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tools: list[dict
         if not isinstance(role, str) or role not in _ROLES:  # (a list is not hashable)
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
-    return tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs)
+    return tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs,
+                                   add_generation_prompt)
 
 
 def _candidates(body: CompletionRequest, prompts: int) -> int:
@@ -170,20 +175,25 @@ class OpenAIRoutes:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """The tokens this server prefills for a completion's ``prompt`` or a chat
-        completion's ``messages`` and ``tools``: what a harness counts against the context
-        window (``max_model_len``) before it sends, or compacts."""
+        completion's ``messages`` and ``tools`` (by default): what a harness counts against
+        the context window (``max_model_len``) before it sends, or compacts."""
         body = decode_body(await request.read(), TokenizeRequest)
         if body.model is not None:
             check_model(self.model, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give a prompt or messages, not both", param="prompt")
         if body.prompt is not None:
-            tokens = self.tok.encode(body.prompt)
+            text, special = body.prompt, body.add_special_tokens is not False
         else:
             tools = msgspec.to_builtins(body.tools) if body.tools else None
-            tokens = self.tok.encode(_chat_prompt(body, tools, self.tok))
-        return web.json_response({"count": int(tokens.size), "tokens": tokens.tolist(),
-                                  "max_model_len": self.model.max_context_tokens})
+            text = _chat_prompt(body, tools, self.tok, body.add_generation_prompt)
+            special = bool(body.add_special_tokens)
+        tokens = self.tok.encode(text, add_special_tokens=special).tolist()
+        out: dict[str, object] = {"count": len(tokens), "tokens": tokens,
+                                  "max_model_len": self.model.max_context_tokens}
+        if body.return_token_strs:
+            out["token_strs"] = self.tok.token_strs(tokens)
+        return web.json_response(out)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = decode_body(await request.read(), DetokenizeRequest)

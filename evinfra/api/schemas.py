@@ -149,13 +149,19 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     """``POST /tokenize`` (as vLLM and SGLang serve it): a ``prompt``, read as a completion
-    reads it, or ``messages`` (and ``tools``) rendered as a chat completion renders them."""
+    reads it, or ``messages`` (and ``tools``) rendered as a chat completion renders them.
+    vLLM's options: ``add_special_tokens`` (default: as this server reads that input, so
+    a prompt's BOS yes, a chat's no), ``add_generation_prompt`` (a chat's assistant turn
+    opened, default yes) and ``return_token_strs``."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, object]] | None = None
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, object] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

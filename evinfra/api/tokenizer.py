@@ -27,12 +27,19 @@ Message = dict[str, object]
 class Tokenizer(Protocol):
     eos_token_ids: list[int]
 
-    def encode(self, text: str) -> np.ndarray: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """``add_special_tokens``: what the model's tokenizer adds around a text of its own
+        (a BOS), as engines do for a completion's text prompt; a rendered chat template
+        has its special tokens already."""
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each token as the vocabulary spells it (not decoded text)."""
+
     def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,
-                            extra: dict[str, object] | None = None) -> str: ...
+                            extra: dict[str, object] | None = None,
+                            add_generation_prompt: bool = True) -> str: ...
 
 
 def message_text(message: Message) -> str:
@@ -95,7 +102,8 @@ class ByteTokenizer:
 
     eos_token_ids: list[int] = []
 
-    def encode(self, text: str) -> np.ndarray:
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """(No special tokens to add.)"""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -104,8 +112,13 @@ class ByteTokenizer:
             out += bytes((i,)) if i < 256 else _LETTERS[i % len(_LETTERS)].encode()
         return out.decode("utf-8", errors="replace")
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """A byte as its Latin-1 character (a lone UTF-8 byte has no text of its own)."""
+        return [chr(i) if i < 256 else _LETTERS[i % len(_LETTERS)] for i in ids]
+
     def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,
-                            extra: dict[str, object] | None = None) -> str:
+                            extra: dict[str, object] | None = None,
+                            add_generation_prompt: bool = True) -> str:
         """Roles in tags; tools and tool calls as the ``hermes`` format writes them. No
         template variables (``extra`` is not read)."""
         out = [f"<|tools|>\n{json.dumps(tools)}\n"] if tools else []
@@ -113,7 +126,7 @@ class ByteTokenizer:
             calls = "".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>\n"
                             for c in m.get("tool_calls") or ())
             out.append(f"<|{m.get('role', 'user')}|>\n{m['content']}\n{calls}")
-        return "".join(out) + "<|assistant|>\n"
+        return "".join(out) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 class HFTokenizer:
@@ -153,14 +166,19 @@ class HFTokenizer:
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(template)
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids,
+                          dtype=np.uint32)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     def apply_chat_template(self, messages: list[Message], tools: list[dict] | None = None,
-                            extra: dict[str, object] | None = None) -> str:
+                            extra: dict[str, object] | None = None,
+                            add_generation_prompt: bool = True) -> str:
         """``extra``: the request's ``chat_template_kwargs``; they cannot replace what the
         server renders (the messages, the tools, the special tokens)."""
         if self._template is None:
@@ -169,7 +187,7 @@ class HFTokenizer:
         msgs = _arguments(messages)
         try:
             return self._template.render({**(extra or {}), "messages": msgs, "tools": tools,
-                                          "add_generation_prompt": True,
+                                          "add_generation_prompt": add_generation_prompt,
                                           "bos_token": self.bos_token,
                                           "eos_token": self.eos_token})
         except (self._template_error, TypeError, ValueError, LookupError,

@@ -75,9 +75,9 @@ async def test_the_chat_route_hands_the_template_its_kwargs(client, monkeypatch)
     seen = []
     real = ByteTokenizer.apply_chat_template
 
-    def spy(self, messages, tools=None, extra=None):
+    def spy(self, messages, tools=None, extra=None, add_generation_prompt=True):
         seen.append(extra)
-        return real(self, messages, tools, extra)
+        return real(self, messages, tools, extra, add_generation_prompt)
 
     monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
     r = await client.post("/v1/chat/completions", json={

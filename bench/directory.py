@@ -20,7 +20,6 @@ import tracemalloc
 import numpy as np
 
 from evinfra.core.events import BlockRemoved, BlockStored
-from evinfra.core.hashing import block_hashes
 from evinfra.core.types import Phase, Tier
 from evinfra.directory import Directory
 from evinfra.directory.reference import ReferenceDirectory

@@ -298,6 +298,26 @@ def test_requests_without_hints_chain_into_one_branch(client, serve):
     assert r.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_a_sub_agents_report_taken_in_by_its_parent_ends_it(client, serve):
+    """Without hints, through the real engines and tokenizer: the sub-agent's last answer,
+    streamed by the decode engine and sent back as text in the parent's next prompt, is
+    recognised there, and the sub-agent's inferred branch ends."""
+    def turn(messages: list[dict], max_tokens: int) -> list[dict]:
+        r = client.chat.completions.create(model=SERVED_NAME, messages=messages,
+                                           max_tokens=max_tokens, temperature=0)
+        return messages + [{"role": "assistant", "content": r.choices[0].message.content}]
+
+    before = _get(serve + "/v1/evinfra/status")[1]["counters"]
+    parent = turn(turn([{"role": "system", "content": "You plan the change. " * 12},
+                        {"role": "user", "content": "Plan it."}], 6), 6)
+    sub = [{"role": "system", "content": "You search the code and report. " * 12},
+           {"role": "user", "content": "Find the loader."}]
+    sub = turn(turn(sub, 6) + [{"role": "user", "content": "grep: config.py"}], 120)
+    turn(parent + [{"role": "user", "content": f"Task result: {sub[-1]['content']}"}], 6)
+    after = _get(serve + "/v1/evinfra/status")[1]["counters"]
+    assert after["branches_joined"] - before["branches_joined"] == 1
+
+
 def test_bad_request_is_a_clear_400(client):
     from openai import BadRequestError
 

@@ -35,6 +35,7 @@ Pure and synchronous.
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import length_hint
 from typing import Container, NamedTuple
 
 import numpy as np
@@ -110,10 +111,13 @@ class ChainIndex:
         prompt's own full length included: a request sent again continues its branch).
         ``live``: the branches that have not ended."""
         tips = self._tips
-        key = next(filter(tips.__contains__, reversed(keys)), None)
+        back = reversed(keys)
+        key = next(filter(tips.__contains__, back), None)
         if key is None:
             return _NONE
-        pages = keys.index(key) + 1
+        # The keys the search has not reached are those before the tip's: a second scan
+        # for its index would cost as much as the search (tens of µs for a long prompt).
+        pages = length_hint(back) + 1
         branch = tips[key]
         if branch is None or branch not in live:
             return Inferred(None, None, True, pages)

@@ -9,7 +9,11 @@ compare side by side. Computed from the runner's :class:`~evinfra.workloads.Requ
 * KV hit rate ``h`` (reused input tokens over input tokens), the ideal ``h*`` (every input
   token whose KV an earlier request produced: an unlimited cache shared by all nodes, no
   switches), and lost KV reuse ``1 − h/h*`` (paper 3, Fig. 3 and 6);
-* uncached input tokens per request.
+* uncached input tokens per request;
+* where reuse is lost, by the wait before the request (:data:`WAITS`): a branch's first
+  request, or how long after its previous request's answer it was sent. The KV of a branch
+  waiting on a tool, a sub-agent or its user must survive that wait (paper 3, 5.3), so this
+  shows which waits the cache lets down (LRU loses long waits first).
 
 A request counts in the window when it finishes in it (throughput's definition), errors and
 requests cut by the end of the run are counted apart.
@@ -17,14 +21,18 @@ requests cut by the end of the run are counted apart.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import msgspec
 import numpy as np
 
 from evinfra.workloads import RequestRecord
 
-__all__ = ["Latency", "Summary", "summarise"]
+__all__ = ["WAITS", "Latency", "Summary", "WaitReuse", "summarise"]
+
+WAITS: tuple[tuple[str, float], ...] = (
+    ("<10s", 10.0), ("10s-1m", 60.0), ("1-10m", 600.0), (">=10m", float("inf")))
+"""Wait buckets by upper bound (seconds); a branch's first request is ``"first"``."""
 
 
 class Latency(msgspec.Struct, frozen=True):
@@ -47,6 +55,19 @@ class Latency(msgspec.Struct, frozen=True):
 def _r(x: float) -> float:
     """Six significant digits: reports stay readable and byte-stable."""
     return float(f"{float(x):.6g}")
+
+
+class WaitReuse(msgspec.Struct, frozen=True):
+    """Reuse of the requests sent after one kind of wait (finished ok in the window)."""
+
+    requests: int
+    ideal_cached: int
+    """Their ``h*`` numerator: tokens an unlimited shared cache would have reused."""
+    cached: int
+    lost_kv_reuse: float
+    """``1 - cached / ideal_cached`` (0 with nothing to reuse)."""
+    share_of_lost: float
+    """Their part of the window's lost tokens (``ideal_cached - cached`` over all requests)."""
 
 
 class Summary(msgspec.Struct, frozen=True):
@@ -75,9 +96,11 @@ class Summary(msgspec.Struct, frozen=True):
     uncached_tokens_per_request: float
     cached_reported: bool
     """Whether the target reported reused tokens at all (``h`` is 0 when it did not)."""
+    reuse_by_wait: dict[str, WaitReuse] = {}
+    """By the wait before the request: ``"first"`` and the labels of :data:`WAITS`."""
 
 
-def summarise(records: Iterable[RequestRecord], start: float, end: float) -> Summary:
+def summarise(records: Sequence[RequestRecord], start: float, end: float) -> Summary:
     ok: list[RequestRecord] = []
     errors = unfinished = 0
     for r in records:
@@ -109,4 +132,34 @@ def summarise(records: Iterable[RequestRecord], start: float, end: float) -> Sum
         prompt_tokens=prompt, cached_tokens=cached, kv_hit_rate=_r(h),
         ideal_hit_rate=_r(h_star), lost_kv_reuse=_r(1 - h / h_star) if h_star else 0.0,
         uncached_tokens_per_request=_r((prompt - cached) / len(ok)) if ok else 0.0,
-        cached_reported=any(r.cached_tokens is not None for r in ok))
+        cached_reported=any(r.cached_tokens is not None for r in ok),
+        reuse_by_wait=_reuse_by_wait(records, ok))
+
+
+def _reuse_by_wait(records: Sequence[RequestRecord],
+                   ok: list[RequestRecord]) -> dict[str, WaitReuse]:
+    """:attr:`Summary.reuse_by_wait`. A request's wait runs from its branch's previous
+    request's answer (its send, if it had none) to its own send; every record counts as a
+    previous request, warm-up and failures included."""
+    wait: dict[str, str] = {}
+    last: dict[str, float] = {}
+    for r in sorted(records, key=lambda r: r.send_time):
+        before = last.get(r.branch_id)
+        if before is None:
+            wait[r.request_id] = "first"
+        else:
+            gap = r.send_time - before
+            wait[r.request_id] = next(label for label, bound in WAITS if gap < bound)
+        last[r.branch_id] = r.done_time if r.done_time is not None else r.send_time
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in ok:
+        groups.setdefault(wait[r.request_id], []).append(r)
+    lost = sum(r.ideal_cached - (r.cached_tokens or 0) for r in ok)
+    out = {}
+    for label, rs in groups.items():
+        ideal = sum(r.ideal_cached for r in rs)
+        cached = sum(r.cached_tokens or 0 for r in rs)
+        out[label] = WaitReuse(len(rs), ideal, cached,
+                               _r(1 - cached / ideal) if ideal else 0.0,
+                               _r((ideal - cached) / lost) if lost else 0.0)
+    return out

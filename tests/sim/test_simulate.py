@@ -48,6 +48,11 @@ def test_same_seed_same_report_bytes(config, tmp_path):
     assert 0 <= s["kv_hit_rate"] <= s["ideal_hit_rate"] <= 1
     assert s["lost_kv_reuse"] == pytest.approx(1 - s["kv_hit_rate"] / s["ideal_hit_rate"], abs=1e-5)
     assert s["ttft"]["p50"] <= s["e2e"]["p50"]
+    by_wait = s["reuse_by_wait"]
+    assert {"first", "<10s"} <= set(by_wait)  # sub-agents start branches; tools answer fast
+    assert sum(x["requests"] for x in by_wait.values()) == s["requests"]
+    assert sum(x["cached"] for x in by_wait.values()) == s["cached_tokens"]
+    assert "| sent after |" in (tmp_path / "a" / "report.md").read_text()
     for f in ("report.md", "split.png", "ttft_cdf.png", "queueing.png"):
         assert (tmp_path / "a" / f).stat().st_size > 0
 

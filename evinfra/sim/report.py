@@ -13,11 +13,12 @@ import msgspec
 import numpy as np
 
 from evinfra.sim.control import ControlSummary
-from evinfra.sim.summary import WAITS, Summary
+from evinfra.sim.summary import Summary
 from evinfra.workloads import RequestRecord
 
 __all__ = ["Report", "RunInfo", "write_report"]
 
+# The labels of summary.WAITS, in the order report.md lists them.
 _WAIT_NAMES = {"first": "a branch's first request", "<10s": "a wait under 10 s",
                "10s-1m": "a wait of 10 s to 1 min", "1-10m": "a wait of 1 to 10 min",
                ">=10m": "a wait of 10 min or more"}
@@ -92,10 +93,10 @@ def _markdown(r: Report, wall: float | None) -> str:
     if s.reuse_by_wait:
         lines += ["| sent after | requests | reusable tokens | lost reuse | share of lost |",
                   "|---|---|---|---|---|"]
-        for label in ["first", *(w for w, _ in WAITS)]:
+        for label, name in _WAIT_NAMES.items():
             x = s.reuse_by_wait.get(label)
             if x is not None:
-                lines.append(f"| {_WAIT_NAMES.get(label, label)} | {x.requests} | "
+                lines.append(f"| {name} | {x.requests} | "
                              f"{x.ideal_cached} | {100 * x.lost_kv_reuse:.2f} % | "
                              f"{100 * x.share_of_lost:.1f} % |")
         lines.append("")

@@ -83,7 +83,10 @@ def test_without_hints_the_server_infers_the_branches(serve, tmp_path):
     # A branch's follow-ups join its inferred branch (a compaction's would start a new one).
     follow = follow_ups(lines)
     assert follow and after["requests_chained"] - before["requests_chained"] >= len(follow) // 2
-    assert after["branches_inferred"] - before["branches_inferred"] >= 4
+    # Each branch's second request makes its inferred branch (how many branches got that far
+    # in the replay's two wall seconds depends on the machine's speed).
+    assert after["branches_inferred"] - before["branches_inferred"] >= len(
+        {r["branch_id"] for r in follow}) >= 1
     assert json.loads((out / "replay.json").read_text())["settings"]["no_hints"] is True
 
 

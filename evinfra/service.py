@@ -504,9 +504,12 @@ class Service:
         log.info("node_switched", node=ev.node, phase=ev.phase)
 
     def _on_node_up(self, ev: NodeUp) -> None:
-        """A restarted engine serves again (its phase follows): route to it again."""
+        """A restarted engine serves again (its phase follows): route to it again. Its count
+        marks are reset to the directory's (none, unless work was placed there already): an
+        engine that was only out of reach still holds the marks of counts released since."""
         log.info("node_up", node=ev.node)
         self.router.node_up(ev.node)
+        self.drivers[ev.node].push_hints(self.directory.full_hints(ev.node))
 
     def _on_node_down(self, ev: NodeDown) -> None:
         (log.info if self._stopping else log.error)("node_down", node=ev.node, reason=ev.reason)

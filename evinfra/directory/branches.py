@@ -46,10 +46,13 @@ class BranchStep(msgspec.Struct, frozen=True):
 
 class HintDelta(msgspec.Struct, frozen=True):
     """Blocks whose count on a node became positive / zero since the last delta, in the
-    order they were noted."""
+    order they were noted. With ``replace``, ``positive`` is every block with a positive count
+    on the node and ``zero`` is empty: the engine forgets every other mark (a resync, say of
+    an engine that came back)."""
 
     positive: list[BlockHash]
     zero: list[BlockHash]
+    replace: bool = False
 
 
 class _Branch:

@@ -119,8 +119,14 @@ class Directory:
         return out
 
     def positive_blocks(self, node: NodeId) -> list[BlockHash]:
-        """Every block with ``R[b, n] > 0``: the full hint, for an engine's resync."""
+        """Every block with ``R[b, n] > 0``."""
         return sorted(self.branches.counts(self.index(node)))
+
+    def full_hints(self, node: NodeId) -> HintDelta:
+        """The node's whole positive set as one ``replace`` hint, for an engine whose marks
+        may be stale (it came back): it supersedes the notes waiting for the node."""
+        self.branches.take_hints(self.index(node))
+        return HintDelta(self.positive_blocks(node), [], replace=True)
 
     # -- eviction (E.2 lines 16-21) --------------------------------------------------------
 

@@ -101,7 +101,12 @@ class HostEvictionOrder:
 
         Most hinted blocks are not in host memory (a branch's context counted on a node
         before its KV arrives, or still in GPU memory there): the positive set takes them
-        in one C loop, and only the blocks that change group are visited one by one."""
+        in one C loop, and only the blocks that change group are visited one by one.
+
+        A ``replace`` delta resets the positive set (:meth:`reset_hints`)."""
+        if delta.replace:
+            self.reset_hints(delta.positive)
+            return
         self.positive.update(delta.positive)
         if self.count_aware:
             self._move(delta.positive, self._zero, self._pos, arrange)

@@ -72,7 +72,8 @@ class CountAwareHostOrder:
         return self._order.positive
 
     def apply(self, hints: CountHints) -> None:
-        self._order.apply_hints(HintDelta(list(hints.positive), list(hints.zero)))
+        self._order.apply_hints(HintDelta(list(hints.positive), list(hints.zero),
+                                          hints.replace))
         self.hints_applied += 1
 
     def is_positive(self, hashes: Iterable[int]) -> bool:

@@ -5,7 +5,8 @@ Four things cross it, each validated at the edge that receives it:
 * **Count hints** (``POST /evinfra/hints``, the path the engine advertises in ``/server_info``
   as ``evinfra_count_hints``): ``{"positive": [...], "zero": [...]}``, the block hashes whose
   branch count on this node crossed zero (:class:`~evinfra.directory.branches.HintDelta`, same
-  field names). A block never named positive counts as zero.
+  field names). A block never named positive counts as zero. With ``"replace": true`` the
+  positive list is every positive block: the engine drops its other marks (a resync).
 * **Fetch plans**, inside SGLang's own per-request ``kv_hints`` envelope of ``/generate``
   (SGLang 0.5.23 carries it to the scheduler untouched; consumers ignore actions they do not
   know): one action ``{"action_type": "evinfra.fetch", "action_version": "1", "payload":
@@ -53,10 +54,12 @@ class WireError(ValueError):
 
 
 class CountHints(msgspec.Struct, frozen=True):
-    """Blocks whose count on this node became positive / zero since the previous hints."""
+    """Blocks whose count on this node became positive / zero since the previous hints; with
+    ``replace``, every block whose count is positive (and ``zero`` empty)."""
 
     positive: list[Int64] = []
     zero: list[Int64] = []
+    replace: bool = False
 
 
 _hints = msgspec.json.Decoder(CountHints)

@@ -24,6 +24,8 @@ def test_engine_order_follows_hints() -> None:
     assert 2 not in o and len(o) == 3
     o.reset_hints([1])
     assert list(o.victims()) == [9, 3, 1]
+    o.apply_hints(HintDelta(positive=[9], zero=[], replace=True))  # a resync through the hints
+    assert list(o.victims()) == [3, 1, 9] and o.positive == {9}
 
 
 def test_plain_lru_for_baselines_ignores_hints() -> None:

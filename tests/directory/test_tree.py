@@ -200,3 +200,19 @@ def test_hint_notes_stay_bounded_when_nobody_takes_them(d: Directory) -> None:
         d.step("x", list(range(40)))
     assert len(path) == 10 and len(d.branches._notes[0]) == len(kept)  # x's cancelled
     assert sorted(d.take_hints("a").positive) == sorted(kept)
+
+
+def test_full_hints_replace_the_notes_waiting_for_the_node(d: Directory) -> None:
+    kept = d.step("y", list(range(100, 120))).path.hashes
+    d.place("y", "a")
+    d.take_hints("a")
+    gone = d.step("x", list(range(40))).path.hashes
+    d.place("x", "a")
+    d.take_hints("a")
+    d.end("x")  # x's blocks wait to be hinted zero, ...
+    more = d.step("z", list(range(200, 212))).path.hashes
+    d.place("z", "a")  # ... z's to be hinted positive
+    full = d.full_hints("a")
+    assert full.replace and full.zero == [] and full.positive == sorted({*kept, *more})
+    assert not set(gone) & set(full.positive)
+    assert d.take_all_hints() == []  # the full set said it all

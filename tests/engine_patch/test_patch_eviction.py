@@ -26,6 +26,9 @@ def test_zero_count_nodes_go_before_older_positive_ones():
     order.apply(CountHints(zero=[2]))  # its count went back to zero
     assert victims(order, nodes) == ["old-kept", "old-gone", "new-gone", "new-kept"]
     assert order.hints_applied == 2 and order.positive == {6}
+    order.apply(CountHints(positive=[3], replace=True))  # a resync: only 3 is positive now
+    assert victims(order, nodes) == ["old-kept", "new-gone", "new-kept", "old-gone"]
+    assert order.positive == {3}
 
 
 def test_single_block_nodes_follow_the_directorys_order():

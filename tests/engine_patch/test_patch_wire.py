@@ -12,7 +12,8 @@ from evinfra.engine_patch.wire import (FETCH_ACTION, FetchPlan, FetchRunWire, Le
 
 def test_count_hints_are_the_directory_delta():
     h = decode_count_hints(b'{"positive": [1, -2], "zero": [3], "later": true}')
-    assert h.positive == [1, -2] and h.zero == [3]
+    assert h.positive == [1, -2] and h.zero == [3] and not h.replace
+    assert decode_count_hints(b'{"positive": [4], "replace": true}').replace
     assert decode_count_hints(b"{}").positive == []
     for bad in (b'{"positive": "x"}', b"[1]", b"not json", b'{"zero": [18446744073709551615]}'):
         with pytest.raises(WireError):

@@ -218,6 +218,16 @@ class DirectoryMachine(RuleBasedStateMachine):
             if n in self.ref.N(beta):
                 self.ref.release(beta, n)
 
+    @rule(data=st.data(), stale=st.sets(st.integers(0, 2**20), max_size=3))
+    def engine_resync(self, data: st.DataObject, stale: set[int]) -> None:
+        """An engine comes back with stale marks and gets the full set (hints waiting for it
+        included): from then on the deltas track it again (``hints_track_the_counts``)."""
+        n = self._node(data)
+        self.engine_positive[n] |= stale
+        full = self.real.full_hints(n)
+        assert full.replace and not full.zero
+        self.engine_positive[n] = set(full.positive)
+
     @rule(data=st.data(), s=st.integers(1, 6), pin_every=st.integers(0, 3))
     def host_eviction(self, data: st.DataObject, s: int, pin_every: int) -> None:
         n = self._node(data)

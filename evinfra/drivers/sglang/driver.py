@@ -43,14 +43,15 @@ from evinfra.directory.branches import HintDelta
 from evinfra.drivers.base import DecodeOrder, PrefillOrder
 from evinfra.drivers.sglang.discovery import EngineInfo, parse_engine_info
 from evinfra.drivers.sglang.errors import Failure, engine_message, from_exception, from_http
+from evinfra.drivers.sglang.hints import HintOutbox
 from evinfra.drivers.sglang.kvsub import KVSubscriber
 from evinfra.drivers.sglang.loads import LOADS_PATH, LoadsTracker, parse_loads
 from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, OutputCursor, StreamError,
                                              generate_body, parse_sse_line, priority_for,
                                              prompt_logprobs)
-from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire, fetch_kv_hints,
-                                       restored_tokens)
+from evinfra.engine_patch.wire import (STATUS_PATH, CountHints, FetchPlan, FetchRunWire,
+                                       fetch_kv_hints, restored_tokens)
 from evinfra.errors import EngineError, EvinfraError
 
 __all__ = ["DriverSettings", "SGLangDriver"]
@@ -121,11 +122,13 @@ class SGLangDriver:
         self._kv_task: asyncio.Task | None = None
         self._loads = LoadsTracker(node)
         self._engine_clears = 0
+        self._hints = HintOutbox()
+        self._hint_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = {"prefills": 0, "decodes": 0, "failed": 0, "withdrawn": 0, "aborted": 0,
                       "switches": 0, "fetch_plans_sent": 0, "fetch_plans_ignored": 0,
                       "fetched_tokens": 0, "restored_tokens": 0, "hints_sent": 0,
-                      "hints_unsupported": 0, "kv_batches": 0, "kv_resyncs": 0,
+                      "hints_retried": 0, "hints_refused": 0, "hints_unsupported": 0, "kv_batches": 0, "kv_resyncs": 0,
                       "state_reports": 0, "iteration_reports": 0}
 
     @property
@@ -256,7 +259,9 @@ class SGLangDriver:
             # can take (see requests.priority_for).
             self.stats["hints_unsupported"] += 1
             return
-        self._spawn(self._send_hints(delta))
+        self._hints.add(delta)
+        if self._hint_task is None:
+            self._hint_task = self._spawn(self._send_hints())
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -643,6 +648,8 @@ class SGLangDriver:
                 self._fail(f, Failure(f"engine down: {reason}"))
                 if f.task is not None:
                     f.task.cancel()
+        # A restarted engine has no marks; the service resyncs one that comes back.
+        self._hints.clear()
         # The directory dropped the node's blocks (NodeDown): stop feeding it more.
         if self._kv_task is not None:
             self._kv_task.cancel()
@@ -651,20 +658,48 @@ class SGLangDriver:
 
     # -- hints -----------------------------------------------------------------------------
 
-    async def _send_hints(self, delta: HintDelta) -> None:
+    async def _send_hints(self) -> None:
+        """Send what waits in the outbox, one message at a time (see ``hints``), until it is
+        empty or the engine is down. A message that did not land is sent again, merged with
+        what came since, after ``poll_interval_s``."""
+        said = None
+        try:
+            while self._hints and not self._down:
+                msg = self._hints.take()
+                failed = await self._post_hints(msg)
+                if failed is None:
+                    said = None
+                    continue
+                self._hints.put_back(msg)
+                self.stats["hints_retried"] += 1
+                if failed != said:  # once per kind of failure, not once per retry
+                    said = failed
+                    log.warning("sglang_hints_failed", node=self.node, error=failed)
+                await self._sleep(self.settings.poll_interval_s)
+        finally:
+            self._hint_task = None
+
+    async def _post_hints(self, msg: CountHints) -> str | None:
+        """POST one message; None once it is done with (applied, or refused as malformed:
+        sending it again would not help), else why to try again."""
         assert self.info is not None and self.info.hints_path is not None
         try:
             async with self._session.post(
-                    self.url + self.info.hints_path,
-                    json={"positive": delta.positive, "zero": delta.zero},
+                    self.url + self.info.hints_path, data=msgspec.json.encode(msg),
+                    headers={"Content-Type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=self.settings.poll_timeout_s)) as r:
-                if r.status != 200:
-                    log.warning("sglang_hints_refused", node=self.node,
-                                error=engine_message(await r.read()))
-                    return
-            self.stats["hints_sent"] += 1
-        except Exception as exc:  # noqa: BLE001 - hints are advisory
-            log.warning("sglang_hints_failed", node=self.node, error=str(exc))
+                if r.status == 200:
+                    self.stats["hints_sent"] += 1
+                    return None
+                error = engine_message(await r.read())
+                if 400 <= r.status < 500:
+                    self.stats["hints_refused"] += 1
+                    log.warning("sglang_hints_refused", node=self.node, status=r.status,
+                                error=error)
+                    return None
+                return f"HTTP {r.status}: {error}"
+        except Exception as exc:  # noqa: BLE001 - not answered: the poller judges the engine
+            return str(exc) or type(exc).__name__
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from evinfra.core.clock import WallClock
 from evinfra.core.events import (NodeDown, NodeState, NodeUp, PhaseSwitched, PrefillDone,
                                  PrefillStarted, RequestFailed, TokensOut, Withdrawn)
 from evinfra.core.types import Phase
+from evinfra.directory.branches import HintDelta
 from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
 from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
 from evinfra.drivers.sglang.pairs import PairBook
@@ -29,6 +30,7 @@ class FakeEngine:
         self.role = role
         self.patch = patch
         self.generate = None  # async handler(request, body) -> response
+        self.hints = None  # async handler(request, body) -> response; the patch's route
         self.aborted: list[str] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -38,6 +40,7 @@ class FakeEngine:
         info = {**SERVER_INFO, "kv_events": None, "disaggregation_mode": self.role}
         if self.patch is not None:
             info["evinfra_engine_patch"] = self.patch
+            info["evinfra_count_hints"] = "/evinfra/hints"
 
         def answer(body):
             async def handler(request):
@@ -52,6 +55,7 @@ class FakeEngine:
         app.router.add_post("/abort_request", self._abort)
         app.router.add_post("/pd_role_switch", self._switch)
         app.router.add_get("/evinfra/status", self._status)
+        app.router.add_post("/evinfra/hints", self._hints)
         # A stopped engine drops its open streams at once (no graceful wait for handlers).
         self.runner = web.AppRunner(app, shutdown_timeout=0.05)
         await self.runner.setup()
@@ -61,6 +65,9 @@ class FakeEngine:
 
     async def _generate(self, request):
         return await self.generate(request, await request.json())
+
+    async def _hints(self, request):
+        return await self.hints(request, await request.json())
 
     async def _switch(self, request):
         self.role = (await request.json())["new_role"]
@@ -348,6 +355,99 @@ async def test_the_service_routes_to_a_node_again_once_it_rejoins():
         await engines["p"].start(port)
         await until(lambda: service.router.node_view("p")["healthy"])
         assert service.router.split() == (["p"], ["d"])
+    finally:
+        await service.stop()
+        for e in engines.values():
+            await e.stop()
+
+
+@pytest.mark.parametrize("cluster", [True], indirect=True, ids=["patched"])
+async def test_count_hints_go_one_at_a_time_and_merge_while_one_is_out(cluster):
+    """Hints pushed while a message is out wait, merged (a block's last crossing wins), and
+    go next: the engine applies them in the order the directory noted them."""
+    drivers, engines, _ = cluster
+    got, first = [], asyncio.Event()
+
+    async def slow(request, body):
+        got.append(body)
+        if len(got) == 1:
+            first.set()
+            await asyncio.sleep(0.2)  # a later POST, if one were sent, would overtake this
+        return web.json_response({"ok": True})
+
+    engines["p"].hints = slow
+    drivers["p"].push_hints(HintDelta([1, 2], []))
+    await first.wait()
+    drivers["p"].push_hints(HintDelta([3], [1]))
+    drivers["p"].push_hints(HintDelta([1], [3]))
+    await until(lambda: len(got) == 2)
+    await asyncio.sleep(0.1)
+    assert got == [{"positive": [1, 2], "zero": [], "replace": False},
+                   {"positive": [1], "zero": [3], "replace": False}]
+    assert drivers["p"].stats["hints_sent"] == 2
+
+
+@pytest.mark.parametrize("cluster", [True], indirect=True, ids=["patched"])
+async def test_count_hints_the_engine_could_not_take_are_sent_again(cluster, logs):
+    """An engine not ready (503) gets the hints again, merged with later ones; one that
+    refuses a message as malformed (4xx) does not (it would refuse it again)."""
+    drivers, engines, _ = cluster
+    got, answers = [], [503, 503, 200, 400]
+
+    async def flaky(request, body):
+        got.append(body)
+        status = answers.pop(0)
+        return web.json_response({"error": "engine not ready" if status == 503 else "bad"},
+                                 status=status)
+
+    engines["p"].hints = flaky
+    drivers["p"].push_hints(HintDelta([1, 2], []))
+    await until(lambda: len(got) == 1)
+    drivers["p"].push_hints(HintDelta([], [2]))
+    await until(lambda: len(got) == 3, timeout=2.0)
+    assert got[1:] == [{"positive": [1], "zero": [2], "replace": False}] * 2
+    drivers["p"].push_hints(HintDelta([5], []))
+    await until(lambda: len(got) == 4)
+    await asyncio.sleep(3 * FAST.poll_interval_s)
+    assert len(got) == 4 and drivers["p"].stats["hints_refused"] == 1
+    assert drivers["p"].stats["hints_retried"] == 2
+    failed = [e for e in logs if e["event"] == "sglang_hints_failed"]
+    assert len(failed) == 1 and "engine not ready" in failed[0]["error"]  # said once
+
+
+async def test_a_node_that_comes_back_gets_the_directory_s_marks_in_full():
+    """An engine out of reach may still hold marks of counts the directory released when it
+    went down: once it is back, its marks are replaced by the directory's."""
+    from evinfra.config import parse_config
+    from evinfra.service import Service
+
+    engines = {"p": FakeEngine("prefill", PATCH_INFO), "d": FakeEngine("decode", PATCH_INFO)}
+    got: list[dict] = []
+
+    async def take(request, body):
+        got.append(body)
+        return web.json_response({"ok": True})
+
+    for e in engines.values():
+        e.hints = take
+        await e.start()
+    config = parse_config({"cluster": {
+        "driver": "sglang", "page_size": 4, "initial_prefill": 1,
+        "nodes": [{"name": n, "url": e.url} for n, e in engines.items()]}})
+    bus, pairs = Bus(), PairBook()
+    service = Service(config, WallClock(), bus, {
+        n: SGLangDriver(n, e.url, WallClock(), bus, pairs, 4, FAST) for n, e in engines.items()})
+    await service.start()
+    try:
+        service.drivers["p"].push_hints(HintDelta([1, 2], []))
+        await until(lambda: got)
+        port = int(engines["p"].url.rsplit(":", 1)[1])
+        await engines["p"].stop()
+        await until(lambda: not service.router.node_view("p")["healthy"])
+        got.clear()
+        await engines["p"].start(port)
+        await until(lambda: got)
+        assert got == [{"positive": [], "zero": [], "replace": True}]
     finally:
         await service.stop()
         for e in engines.values():

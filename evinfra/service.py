@@ -505,8 +505,8 @@ class Service:
 
     def _on_node_up(self, ev: NodeUp) -> None:
         """A restarted engine serves again (its phase follows): route to it again. Its count
-        marks are reset to the directory's (none, unless work was placed there already): an
-        engine that was only out of reach still holds the marks of counts released since."""
+        marks are reset to the directory's, which released the node's counts when it went
+        down: an engine that was only out of reach still holds marks of those."""
         log.info("node_up", node=ev.node)
         self.router.node_up(ev.node)
         self.drivers[ev.node].push_hints(self.directory.full_hints(ev.node))

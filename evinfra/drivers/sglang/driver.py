@@ -128,8 +128,9 @@ class SGLangDriver:
         self.stats = {"prefills": 0, "decodes": 0, "failed": 0, "withdrawn": 0, "aborted": 0,
                       "switches": 0, "fetch_plans_sent": 0, "fetch_plans_ignored": 0,
                       "fetched_tokens": 0, "restored_tokens": 0, "hints_sent": 0,
-                      "hints_retried": 0, "hints_refused": 0, "hints_unsupported": 0, "kv_batches": 0, "kv_resyncs": 0,
-                      "state_reports": 0, "iteration_reports": 0}
+                      "hints_retried": 0, "hints_refused": 0, "hints_unsupported": 0,
+                      "kv_batches": 0, "kv_resyncs": 0, "state_reports": 0,
+                      "iteration_reports": 0}
 
     @property
     def constrains_output(self) -> bool:

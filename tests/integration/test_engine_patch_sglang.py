@@ -243,6 +243,10 @@ def test_host_eviction_takes_zero_count_blocks_first(pair):
         r = gen(a, b, p + [5, 6, 7, 8], 1)
         assert r["prefill"]["cached_tokens"] == 200
         assert r["prefill"]["cached_tokens_details"]["evinfra_restored"] >= 4
+    # A resync replaces the engine's marks with the ones it names.
+    code, _ = http("POST", a.url + "/evinfra/hints",
+                   {"positive": positive[:3], "zero": [], "replace": True})
+    assert code == 200 and status(a)["eviction"]["positive_blocks"] == 3
     print(f"\nhost evictions: {ev['evicted_zero_nodes']} zero-count nodes "
           f"({ev['evicted_zero_blocks']} blocks), {ev['evicted_positive_nodes']} positive")
 

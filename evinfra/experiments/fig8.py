@@ -7,7 +7,9 @@ component, and how fast the iteration-time models converge, on CC with 126 agent
 component each: LRU instead of counts, the pool loaded at prefill start instead of while
 queued (D.6: async fetching alone 1.12x), cache-aware instead of Eq. 7 routing (D.5);
 (c) mean error of the models fitted on the first t seconds of the collocated warm-up,
-against the iterations after it (paper: low within a minute).
+against the iterations after it (paper: low within a minute); (d) the lost KV reuse of the
+runs of (b) by the wait before each request: LRU drops the KV of branches waiting for tools,
+sub-agents or users (paper 3), count-aware eviction keeps it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from evinfra.experiments.common import closed, label, system
 from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
+from evinfra.sim.summary import WAITS, Summary
 
 __all__ = ["TITLE", "plans", "report"]
 
@@ -64,6 +67,8 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
         b_runs.insert(2 if static else 1, runs["initial-4P"])
     b = [[o.system, o.summary.throughput, o.summary.throughput / base if base else None,
           100 * o.summary.lost_kv_reuse, o.summary.ttft.mean] for o in b_runs]
+    waits = ["first", *(w for w, _ in WAITS)]
+    d = [[o.system, *(_lost_after(o.summary, w) for w in waits)] for o in b_runs]
     conv = runs["initial-4P"].convergence if "initial-4P" in runs else []
     c = [[t, 100 * pe if not math.isnan(pe) else None, 100 * de if not math.isnan(de) else None]
          for t, pe, de in conv]
@@ -83,6 +88,12 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
               columns=["learning time (s)", "prefill error (%)", "decode error (%)"], rows=c,
               note="Models fitted on the collocated iterations before each time, evaluated "
                    "on every iteration after the warm-up."),
+        Table(title="(d) Lost KV reuse (%) by the wait before the request, at 4P5D",
+              columns=["system", "first of its branch", "< 10 s", "10 s - 1 min",
+                       "1 - 10 min", ">= 10 min"], rows=d,
+              note="Of the tokens an unlimited shared cache would have reused for the "
+                   "requests sent after each wait (since their branch's previous answer), the "
+                   "part recomputed."),
         Table(title="All runs", columns=["run"] + METRICS,
               rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
     ]
@@ -98,6 +109,11 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                             config=config_path, seed=seed, tables=tables, runs=runs), plots
 
 
+def _lost_after(s: Summary, wait: str) -> float | None:
+    x = s.reuse_by_wait.get(wait)
+    return 100 * x.lost_kv_reuse if x is not None else None
+
+
 def _convergence(path, conv) -> None:
     import matplotlib.pyplot as plt
 
@@ -107,9 +123,9 @@ def _convergence(path, conv) -> None:
         ax.plot(ts, [100 * x for _, x, _ in conv], marker="o", label="prefill")
         ax.plot(ts, [100 * x for _, _, x in conv], marker="s", label="decode")
         ax.set_xscale("log")
+        ax.legend()
     ax.set_xlabel("learning time (s)")
     ax.set_ylabel("mean error (%)")
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

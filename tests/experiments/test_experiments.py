@@ -123,3 +123,21 @@ def test_fig2a_sweeps_every_split_and_judges_the_best_against_the_paper(tmp_path
     assert "NOT as in the paper" in report.notes[0]
     files = write(tmp_path, report, plots)
     assert all(f.stat().st_size > 0 for f in files)
+
+
+def test_fig8_micro_breaks_lost_reuse_down_by_the_wait(tmp_path) -> None:
+    config = load_config("etc/cluster.toml")
+    plans = [p for p in EXPERIMENTS["fig8"].plans(config, MICRO, 1)
+             if p.key in ("static-4P", "ablation-0", "ablation-1")]
+    runs = run_plans(plans, jobs=2)
+    report, plots = EXPERIMENTS["fig8"].report(runs, MICRO, "etc/cluster.toml", 1)
+    write(tmp_path, report, plots)
+    data = json.loads((tmp_path / "results.json").read_text())
+    waits = next(t for t in data["tables"] if t["title"].startswith("(d) Lost KV reuse"))
+    assert [r[0] for r in waits["rows"]] == ["SGLang PD 4P5D", "evinfra, fixed 4P5D",
+                                             "- counts (LRU)"]
+    for row, key in zip(waits["rows"], ("static-4P", "ablation-0", "ablation-1")):
+        by = runs[key].summary.reuse_by_wait
+        assert row[1:3] == [pytest.approx(100 * by[w].lost_kv_reuse) if w in by else None
+                            for w in ("first", "<10s")]
+    assert "(d) Lost KV reuse (%) by the wait" in (tmp_path / "results.md").read_text()

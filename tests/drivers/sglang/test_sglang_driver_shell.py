@@ -2,6 +2,7 @@
 refusals, streams, withdrawals and a dying engine become the right bus events."""
 
 import asyncio
+import contextlib
 import json
 
 import numpy as np
@@ -334,11 +335,12 @@ async def test_node_urls_must_be_http_base_urls():
         build_drivers(config, WallClock(), Bus())
 
 
-async def test_the_service_routes_to_a_node_again_once_it_rejoins():
+@contextlib.asynccontextmanager
+async def service_over(engines: dict[str, FakeEngine]):
+    """The control plane in front of ``engines`` (started here), stopped with them."""
     from evinfra.config import parse_config
     from evinfra.service import Service
 
-    engines = {"p": FakeEngine("prefill"), "d": FakeEngine("decode")}
     for e in engines.values():
         await e.start()
     config = parse_config({"cluster": {
@@ -349,16 +351,22 @@ async def test_the_service_routes_to_a_node_again_once_it_rejoins():
         n: SGLangDriver(n, e.url, WallClock(), bus, pairs, 4, FAST) for n, e in engines.items()})
     await service.start()
     try:
+        yield service
+    finally:
+        await service.stop()
+        for e in engines.values():
+            await e.stop()
+
+
+async def test_the_service_routes_to_a_node_again_once_it_rejoins():
+    engines = {"p": FakeEngine("prefill"), "d": FakeEngine("decode")}
+    async with service_over(engines) as service:
         port = int(engines["p"].url.rsplit(":", 1)[1])
         await engines["p"].stop()
         await until(lambda: not service.router.node_view("p")["healthy"])
         await engines["p"].start(port)
         await until(lambda: service.router.node_view("p")["healthy"])
         assert service.router.split() == (["p"], ["d"])
-    finally:
-        await service.stop()
-        for e in engines.values():
-            await e.stop()
 
 
 @pytest.mark.parametrize("cluster", [True], indirect=True, ids=["patched"])
@@ -418,9 +426,6 @@ async def test_count_hints_the_engine_could_not_take_are_sent_again(cluster, log
 async def test_a_node_that_comes_back_gets_the_directory_s_marks_in_full():
     """An engine out of reach may still hold marks of counts the directory released when it
     went down: once it is back, its marks are replaced by the directory's."""
-    from evinfra.config import parse_config
-    from evinfra.service import Service
-
     engines = {"p": FakeEngine("prefill", PATCH_INFO), "d": FakeEngine("decode", PATCH_INFO)}
     got: list[dict] = []
 
@@ -430,15 +435,7 @@ async def test_a_node_that_comes_back_gets_the_directory_s_marks_in_full():
 
     for e in engines.values():
         e.hints = take
-        await e.start()
-    config = parse_config({"cluster": {
-        "driver": "sglang", "page_size": 4, "initial_prefill": 1,
-        "nodes": [{"name": n, "url": e.url} for n, e in engines.items()]}})
-    bus, pairs = Bus(), PairBook()
-    service = Service(config, WallClock(), bus, {
-        n: SGLangDriver(n, e.url, WallClock(), bus, pairs, 4, FAST) for n, e in engines.items()})
-    await service.start()
-    try:
+    async with service_over(engines) as service:
         service.drivers["p"].push_hints(HintDelta([1, 2], []))
         await until(lambda: got)
         port = int(engines["p"].url.rsplit(":", 1)[1])
@@ -448,7 +445,3 @@ async def test_a_node_that_comes_back_gets_the_directory_s_marks_in_full():
         await engines["p"].start(port)
         await until(lambda: got)
         assert got == [{"positive": [], "zero": [], "replace": True}]
-    finally:
-        await service.stop()
-        for e in engines.values():
-            await e.stop()

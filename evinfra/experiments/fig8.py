@@ -23,7 +23,7 @@ from evinfra.experiments.common import closed, label, system
 from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
-from evinfra.sim.summary import WAITS, Summary
+from evinfra.sim.summary import WAIT_LABELS, Summary
 
 __all__ = ["TITLE", "plans", "report"]
 
@@ -67,8 +67,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
         b_runs.insert(2 if static else 1, runs["initial-4P"])
     b = [[o.system, o.summary.throughput, o.summary.throughput / base if base else None,
           100 * o.summary.lost_kv_reuse, o.summary.ttft.mean] for o in b_runs]
-    waits = ["first", *(w for w, _ in WAITS)]
-    d = [[o.system, *(_lost_after(o.summary, w) for w in waits)] for o in b_runs]
+    d = [[o.system, *(_lost_after(o.summary, w) for w in WAIT_LABELS)] for o in b_runs]
     conv = runs["initial-4P"].convergence if "initial-4P" in runs else []
     c = [[t, 100 * pe if not math.isnan(pe) else None, 100 * de if not math.isnan(de) else None]
          for t, pe, de in conv]

@@ -13,15 +13,14 @@ import msgspec
 import numpy as np
 
 from evinfra.sim.control import ControlSummary
-from evinfra.sim.summary import Summary
+from evinfra.sim.summary import WAIT_LABELS, Summary
 from evinfra.workloads import RequestRecord
 
 __all__ = ["Report", "RunInfo", "write_report"]
 
-# The labels of summary.WAITS, in the order report.md lists them.
-_WAIT_NAMES = {"first": "a branch's first request", "<10s": "a wait under 10 s",
-               "10s-1m": "a wait of 10 s to 1 min", "1-10m": "a wait of 1 to 10 min",
-               ">=10m": "a wait of 10 min or more"}
+_WAIT_NAMES = dict(zip(WAIT_LABELS, (
+    "a branch's first request", "a wait under 10 s", "a wait of 10 s to 1 min",
+    "a wait of 1 to 10 min", "a wait of 10 min or more"), strict=True))
 
 
 class RunInfo(msgspec.Struct, frozen=True):

@@ -28,11 +28,12 @@ import numpy as np
 
 from evinfra.workloads import RequestRecord
 
-__all__ = ["WAITS", "Latency", "Summary", "WaitReuse", "summarise"]
+__all__ = ["WAITS", "WAIT_LABELS", "Latency", "Summary", "WaitReuse", "summarise"]
 
 WAITS: tuple[tuple[str, float], ...] = (
     ("<10s", 10.0), ("10s-1m", 60.0), ("1-10m", 600.0), (">=10m", float("inf")))
 """Wait buckets by upper bound (seconds); a branch's first request is ``"first"``."""
+WAIT_LABELS = ("first", *(label for label, _ in WAITS))
 
 
 class Latency(msgspec.Struct, frozen=True):
@@ -97,7 +98,7 @@ class Summary(msgspec.Struct, frozen=True):
     cached_reported: bool
     """Whether the target reported reused tokens at all (``h`` is 0 when it did not)."""
     reuse_by_wait: dict[str, WaitReuse] = {}
-    """By the wait before the request: ``"first"`` and the labels of :data:`WAITS`."""
+    """By the wait before the request (:data:`WAIT_LABELS`)."""
 
 
 def summarise(records: Sequence[RequestRecord], start: float, end: float) -> Summary:
@@ -146,7 +147,7 @@ def _reuse_by_wait(records: Sequence[RequestRecord],
     for r in sorted(records, key=lambda r: r.send_time):
         before = last.get(r.branch_id)
         if before is None:
-            wait[r.request_id] = "first"
+            wait[r.request_id] = WAIT_LABELS[0]
         else:
             gap = r.send_time - before
             wait[r.request_id] = next(label for label, bound in WAITS if gap < bound)

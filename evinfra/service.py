@@ -198,6 +198,9 @@ class Service:
     async def start(self) -> None:
         for d in self.drivers.values():
             await d.start()
+        # Engines may hold count marks from an earlier control plane: this one has no counts.
+        for node, d in self.drivers.items():
+            d.push_hints(self.directory.full_hints(node))
         if self.planner.warming_up and self.planner.warmup_end <= self.clock.now():
             self._on_tick()  # no warm-up: the initial split serves from the start
         else:

@@ -423,9 +423,10 @@ async def test_count_hints_the_engine_could_not_take_are_sent_again(cluster, log
     assert len(failed) == 1 and "engine not ready" in failed[0]["error"]  # said once
 
 
-async def test_a_node_that_comes_back_gets_the_directory_s_marks_in_full():
-    """An engine out of reach may still hold marks of counts the directory released when it
-    went down: once it is back, its marks are replaced by the directory's."""
+async def test_an_engine_gets_the_directory_s_marks_in_full_at_start_and_when_back():
+    """Engines may hold marks from an earlier control plane, or of counts the directory
+    released when they went down: at the service's start and once back, their marks are
+    replaced by the directory's."""
     engines = {"p": FakeEngine("prefill", PATCH_INFO), "d": FakeEngine("decode", PATCH_INFO)}
     got: list[dict] = []
 
@@ -436,8 +437,10 @@ async def test_a_node_that_comes_back_gets_the_directory_s_marks_in_full():
     for e in engines.values():
         e.hints = take
     async with service_over(engines) as service:
+        await until(lambda: len(got) == 2)
+        assert got == [{"positive": [], "zero": [], "replace": True}] * 2
         service.drivers["p"].push_hints(HintDelta([1, 2], []))
-        await until(lambda: got)
+        await until(lambda: len(got) == 3)
         port = int(engines["p"].url.rsplit(":", 1)[1])
         await engines["p"].stop()
         await until(lambda: not service.router.node_view("p")["healthy"])

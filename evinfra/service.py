@@ -769,6 +769,7 @@ class Service:
                 view.update(l1_used=state.l1_used, l1_capacity=state.l1_capacity,
                             l2_used=state.l2_used, l2_capacity=state.l2_capacity,
                             reported_at=state.time)
+            view["driver"] = dict(self.drivers[n].stats)
             nodes[n] = view
         c = sorted(n for n in self.nodes if self.router.phase(n) is Phase.COLLOCATED)
         # "6P3D"; "9C" during the collocated warm-up (not "0P0D")

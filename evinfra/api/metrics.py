@@ -117,5 +117,12 @@ class _ClusterCollector:
                   "untracked_medium", "block_size_mismatch"):
             c.add_metric([f], getattr(tree.stats, f))
         yield c
+        c = CounterMetricFamily("evinfra_driver_events", "What each node's driver did with its "
+                                "engine (SGLang: count hints sent, retried, refused; fetch "
+                                "plans; KV stream resyncs...)", labels=["node", "event"])
+        for n, d in s.drivers.items():
+            for event, value in d.stats.items():
+                c.add_metric([n, event], value)
+        yield c
         yield CounterMetricFamily("evinfra_bus_errors", "Bus subscribers that raised",
                                   value=s.bus.errors)

@@ -97,6 +97,8 @@ class EngineDriver(Protocol):
     """One node's engine, as the control plane sees it."""
 
     node: NodeId
+    stats: dict[str, int]
+    """Counters of what the driver did with its engine (status and ``/metrics``)."""
 
     @property
     def constrains_output(self) -> bool:

@@ -21,6 +21,7 @@ class FakeDriver:
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.node = engine.node
+        self.stats: dict[str, int] = {}  # the engine runs in this process: no I/O to count
 
     async def start(self) -> None:
         self.engine.start()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from evinfra.api.metrics import Metrics
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
 from evinfra.core.events import (NodeDown, NodeState, NodeUp, PhaseSwitched, PrefillDone,
@@ -448,3 +449,8 @@ async def test_an_engine_gets_the_directory_s_marks_in_full_at_start_and_when_ba
         await engines["p"].start(port)
         await until(lambda: got)
         assert got == [{"positive": [], "zero": [], "replace": True}]
+        # Operators see what the drivers did: in the status and in /metrics.
+        await until(lambda: service.drivers["p"].stats["hints_sent"] == 3)
+        assert service.status()["nodes"]["p"]["driver"]["hints_sent"] == 3
+        text = Metrics(service).render().decode()
+        assert 'evinfra_driver_events_total{event="hints_sent",node="p"} 3.0' in text

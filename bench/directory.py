@@ -55,7 +55,7 @@ def bench_events(quick: bool) -> tuple[float, float]:
     d = Directory(nodes, PAGE)
     t = time.perf_counter()
     for n, e in events:
-        d.apply(n, e, 1.0)
+        d.apply(n, e)
     real = blocks / (time.perf_counter() - t)
 
     ref = ReferenceDirectory(nodes, PAGE)
@@ -63,7 +63,7 @@ def bench_events(quick: bool) -> tuple[float, float]:
     for n, e in events:
         tier = Tier.from_medium(e.medium)
         if isinstance(e, BlockStored):
-            ref.store(n, e.block_hashes, tier, 1.0)
+            ref.store(n, e.block_hashes, tier)
         else:
             ref.remove(n, e.block_hashes, tier)
     naive = blocks / (time.perf_counter() - t)
@@ -78,10 +78,10 @@ def _populated(num_nodes: int, path: list[int], seed: int):
     for n in nodes:
         k = rng.randrange(len(path) + 1)
         k1 = rng.randrange(k + 1)
-        d.apply(n, BlockStored(path[:k], None, [], PAGE, medium="CPU_PINNED"), 0.0)
-        d.apply(n, BlockStored(path[:k1], None, [], PAGE, medium="GPU"), 0.0)
-        ref.store(n, path[:k], Tier.L2, 0.0)
-        ref.store(n, path[:k1], Tier.L1, 0.0)
+        d.apply(n, BlockStored(path[:k], None, [], PAGE, medium="CPU_PINNED"))
+        d.apply(n, BlockStored(path[:k1], None, [], PAGE, medium="GPU"))
+        ref.store(n, path[:k], Tier.L2)
+        ref.store(n, path[:k1], Tier.L1)
     return d, ref, list(nodes)
 
 
@@ -128,14 +128,14 @@ def bench_memory(quick: bool) -> tuple[float, float]:
         d = Directory(nodes, PAGE)
         for i, n in enumerate(nodes):
             for c in chains[i % len(chains):][:4]:
-                d.apply(n, BlockStored(c, None, [], PAGE, medium="CPU_PINNED"), float(i))
+                d.apply(n, BlockStored(c, None, [], PAGE, medium="CPU_PINNED"))
         return d
 
     def build_ref():
         r = ReferenceDirectory(nodes, PAGE)
         for i, n in enumerate(nodes):
             for c in chains[i % len(chains):][:4]:
-                r.store(n, c, Tier.L2, float(i))
+                r.store(n, c, Tier.L2)
         return r
 
     d, real_bytes = measure(build_real)

@@ -43,7 +43,7 @@ def setup(nodes: int, context: int, seed: int) -> tuple[Router, list[np.ndarray]
         for i in rng.choice(nodes, size=3, replace=False):
             k = int(rng.integers(len(path) // 2, len(path) + 1))
             for medium in ("GPU", "CPU_PINNED"):
-                router.directory.apply(f"n{i}", BlockStored(path[:k], None, [], PAGE, medium=medium), 0.0)
+                router.directory.apply(f"n{i}", BlockStored(path[:k], None, [], PAGE, medium=medium))
         router.route(RouteRequest(f"prev{a}", f"b{a}", ctx, 256), 0.0)
         router.finished(f"prev{a}")
         contexts.append(ctx)
@@ -86,7 +86,7 @@ def run_new_agents(nodes: int, agents: int) -> np.ndarray:
         times.append(time.perf_counter() - t)
         if a < 3:  # the prefill of the first agents puts the prompt on their nodes
             router.directory.apply(route.node, BlockStored(route.path.hashes, None, [], PAGE,
-                                                           medium="GPU"), float(a))
+                                                           medium="GPU"))
         router.finished(f"new{a}")
     return np.array(times[3:]) * 1e6
 

@@ -414,7 +414,7 @@ class Service:
         sub(NodeUp, self._on_node_up)
 
     def _on_kv(self, ev: NodeKVEvents) -> None:
-        self.directory.apply_batch(ev.node, ev.batch, self.clock.now())
+        self.directory.apply_batch(ev.node, ev.batch)
         self._flush_hints()
 
     def _on_state(self, ev: NodeState) -> None:

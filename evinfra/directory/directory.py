@@ -18,7 +18,6 @@ from evinfra.core.events import KVEvent, KVEventBatch
 from evinfra.core.hashing import HashedPath
 from evinfra.core.types import BlockHash, BranchId, NodeId, Phase, Tier
 from evinfra.directory.branches import BranchStep, BranchTable, HintDelta
-from evinfra.directory.eviction import eviction_order
 from evinfra.directory.tree import PrefixMatch, PrefixTree
 from evinfra.errors import ConfigError
 
@@ -72,15 +71,14 @@ class Directory:
 
     # -- KV events -------------------------------------------------------------------------
 
-    def apply(self, node: NodeId, event: KVEvent, now: float) -> None:
-        lost = self.tree.apply(node, event, now)
+    def apply(self, node: NodeId, event: KVEvent) -> None:
+        lost = self.tree.apply(node, event)
         if lost:
             self.branches.evicted(self.tree.node_index(node), lost)
 
-    def apply_batch(self, node: NodeId, batch: KVEventBatch, now: float | None = None) -> None:
-        t = batch.ts if now is None else now
+    def apply_batch(self, node: NodeId, batch: KVEventBatch) -> None:
         for event in batch.events:
-            self.apply(node, event, t)
+            self.apply(node, event)
 
     # -- requests and branches (Algorithms E.1, E.2) ---------------------------------------
 
@@ -127,30 +125,6 @@ class Directory:
         may be stale (it came back): it supersedes the notes waiting for the node."""
         self.branches.take_hints(self.index(node))
         return HintDelta(self.positive_blocks(node), [], replace=True)
-
-    # -- eviction (E.2 lines 16-21) --------------------------------------------------------
-
-    def evict_host(self, node: NodeId, blocks: int,
-                   pinned: Iterable[BlockHash] = ()) -> list[BlockHash]:
-        """``EvictHost(n, s)``: free ``blocks`` host blocks in ``(1[R>0], T_b)`` order and
-        apply the removals as the node's ``BlockRemoved`` events would.
-
-        Candidates are the blocks the node holds only in host memory: a block still in GPU
-        memory keeps its host copy, as in SGLang HiCache, whose ``evict_host`` only frees
-        host copies of blocks already evicted from the device."""
-        idx = self.index(node)
-        on = self.tree.blocks_on(idx)
-        host = {h: on[h] for h in self.tree.host_only_blocks(idx)}
-        victims: list[BlockHash] = []
-        for h in eviction_order(host, self.branches.counts(idx), set(pinned)):
-            if len(victims) >= blocks:
-                break
-            victims.append(h)
-        if victims:
-            lost = self.tree.remove(idx, victims, "CPU_PINNED")
-            if lost:
-                self.branches.evicted(idx, lost)
-        return victims
 
     # -- reporting -------------------------------------------------------------------------
 

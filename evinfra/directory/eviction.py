@@ -2,8 +2,9 @@
 
 Two halves of one rule:
 
-* :func:`eviction_order` is ``EvictHost`` on the directory's view: it ranks a node's host
-  blocks with zero-count blocks first and LRU within each group, pinned blocks never.
+* :func:`eviction_order` is ``EvictHost`` as a function: given a node's host blocks with their
+  ``T_b`` and its counts, it ranks them zero-count first and LRU within each group, pinned
+  blocks never (the statement engines' orders are checked against).
 * :class:`HostEvictionOrder` is the same order kept incrementally inside an engine (the fake
   engine, the SGLang patch). The engine cannot see ``R``; it learns which blocks have a
   positive count from the control plane's hints (:class:`~evinfra.directory.branches.HintDelta`:

@@ -30,7 +30,6 @@ class ReferenceDirectory:
         self.phase = dict(nodes)
         self.held: dict[tuple[NodeId, Tier], set[BlockHash]] = {
             (n, t): set() for n in nodes for t in Tier}
-        self.T: dict[tuple[NodeId, BlockHash], float] = {}
         self.S: dict[BranchId, _RefBranch] = {}
         self.R: dict[tuple[BlockHash, NodeId], int] = {}
 
@@ -39,10 +38,9 @@ class ReferenceDirectory:
     def holds(self, node: NodeId, b: BlockHash) -> bool:
         return any(b in self.held[node, t] for t in Tier)
 
-    def store(self, node: NodeId, blocks: Iterable[BlockHash], tier: Tier, now: float) -> None:
+    def store(self, node: NodeId, blocks: Iterable[BlockHash], tier: Tier) -> None:
         for b in blocks:
             self.held[node, tier].add(b)
-            self.T[node, b] = now
 
     def remove(self, node: NodeId, blocks: Iterable[BlockHash], tier: Tier) -> None:
         for b in blocks:
@@ -50,7 +48,6 @@ class ReferenceDirectory:
                 continue  # an unknown removal changes nothing
             self.held[node, tier].discard(b)
             if not self.holds(node, b):
-                self.T.pop((node, b), None)
                 self._evicted(node, b)
 
     def clear(self, node: NodeId) -> None:
@@ -139,17 +136,6 @@ class ReferenceDirectory:
         for beta in self.S.values():
             beta.C.get(n, set()).discard(b)
         self.R[b, n] = 0
-
-    def evict_host(self, n: NodeId, s: int, pinned: set[BlockHash]) -> list[BlockHash]:
-        H = {b for b in self.held[n, Tier.L2]
-             if b not in self.held[n, Tier.L1] and b not in pinned}
-        victims = []
-        while len(victims) < s and H:
-            b = min(H, key=lambda b: (1 if self.R.get((b, n), 0) > 0 else 0, self.T[n, b], b))
-            victims.append(b)
-            H.discard(b)
-            self.remove(n, [b], Tier.L2)
-        return victims
 
     def counts_from_sets(self) -> dict[tuple[BlockHash, NodeId], int]:
         """``R`` recomputed from the ``C`` sets: what every count must equal."""

@@ -5,8 +5,10 @@ prefix: the tree needs no child pointers to answer "how long a prefix of this pa
 n hold". Each block has a *slot* in numpy tables: its hash and its holder bits, three per
 node (it holds the block in L2, host; in L1, GPU; in either tier), packed 21 nodes to an
 int64 word. A prefix walk is then a gather of the path's words and a cumulative AND down
-them, whatever the number of nodes. Each (block, node) pair keeps its last store time
-``T_b``, in a per-node array by slot.
+them, whatever the number of nodes. No per-(block, node) access time is kept: host eviction
+is each engine's (paper 5.3: "each node evicts the blocks in its host memory"), which knows
+its own LRU order; a dense ``T_b`` table here cost 8 bytes per slot and node (1 GB at 64
+nodes) for nothing the control plane reads.
 
 Why slots: looking a long path up by hash costs a dict probe per block (a cache miss in a
 large directory), which dominated the router's decision. A path remembers the slots its
@@ -90,9 +92,6 @@ class PrefixTree:
         # ``_bits``), about twice as fast per item as numpy's own indexing.
         self._hash_np = np.zeros(1024, np.int64)
         self._words = [np.zeros(1024, np.int64)]
-        # T_b per (block, node): one array per node, by slot; meaningful where the node
-        # holds the block (its either-tier bit), stale elsewhere.
-        self._tb_np: list[np.ndarray] = []
         self._views()
         self._index: dict[NodeId, int] = {}
         self._names: list[NodeId] = []
@@ -109,8 +108,6 @@ class PrefixTree:
             self._views()
         self._index[node] = len(self._names)
         self._names.append(node)
-        self._tb_np.append(np.zeros(len(self._hash_np)))
-        self._views()
         return self._index[node]
 
     def node_index(self, node: NodeId) -> int | None:
@@ -134,14 +131,12 @@ class PrefixTree:
     def _views(self) -> None:
         self._hash = memoryview(self._hash_np)
         self._bits = [memoryview(t) for t in self._words]
-        self._tb = [memoryview(t) for t in self._tb_np]
 
     def _grow(self) -> None:
         """Double the slot tables."""
         pad = np.zeros(len(self._hash_np), np.int64)
         self._hash_np = np.concatenate([self._hash_np, pad])
         self._words = [np.concatenate([t, pad]) for t in self._words]
-        self._tb_np = [np.concatenate([t, pad]) for t in self._tb_np]
         self._views()
 
     def _unused(self, s: int) -> bool:
@@ -176,17 +171,9 @@ class PrefixTree:
         return [i for i in range(len(self._names))
                 if self._bits[i // _PER_WORD][s] >> (2 * _PER_WORD + i % _PER_WORD) & 1]
 
-    def blocks_on(self, node: int) -> dict[BlockHash, float]:
-        """The node's blocks and their ``T_b`` (a scan of the slots: status and tests)."""
-        slots = self._held(node, 2)
-        return dict(zip(self._hash_np[slots].tolist(), self._tb_np[node][slots].tolist()))
-
-    def host_only_blocks(self, node: int) -> list[BlockHash]:
-        """Blocks the node holds in host memory and not in GPU memory."""
-        w, j = divmod(node, _PER_WORD)
-        words = self._words[w][:self._top]
-        only = (words >> j & ~words >> (_PER_WORD + j) & 1).nonzero()[0]
-        return self._hash_np[only].tolist()
+    def blocks_on(self, node: int) -> set[BlockHash]:
+        """The node's blocks (a scan of the slots: status and tests)."""
+        return set(self._hash_np[self._held(node, 2)].tolist())
 
     def _held(self, node: int, tier: int) -> np.ndarray:
         """Slots whose block the node holds in L2 (``tier`` 0), L1 (1) or either (2)."""
@@ -312,14 +299,14 @@ class PrefixTree:
 
     # -- KV events ---------------------------------------------------------------------------
 
-    def apply(self, node: NodeId, event: KVEvent, now: float) -> list[BlockHash]:
+    def apply(self, node: NodeId, event: KVEvent) -> list[BlockHash]:
         """Apply one KV event of ``node``; return the blocks the node lost entirely."""
         idx = self._index.get(node)
         if idx is None:
             self._count("unknown_node", node=node)
             return []
         if type(event) is BlockStored:
-            self.store(idx, event.block_hashes, event.parent_block_hash, event.medium, now,
+            self.store(idx, event.block_hashes, event.parent_block_hash, event.medium,
                        block_size=event.block_size)
             return []
         if type(event) is BlockRemoved:
@@ -329,7 +316,7 @@ class PrefixTree:
         raise TypeError(f"not a KV event: {event!r}")
 
     def store(self, node: int, hashes: Sequence[BlockHash], parent: BlockHash | None,
-              medium: str | None, now: float, *, block_size: int | None = None) -> None:
+              medium: str | None, *, block_size: int | None = None) -> None:
         tier = Tier.from_medium(medium)
         if tier is None:
             self._count("untracked_medium", medium=medium)
@@ -337,7 +324,6 @@ class PrefixTree:
         if block_size is not None and block_size != self.page_size:
             self._count("block_size_mismatch", block_size=block_size, page_size=self.page_size)
         slot, free, table = self._slot, self._free, self._hash
-        access = self._tb[node]
         if parent is not None and parent not in slot:
             self._count("unknown_parent", node=self._names[node], parent=parent)
         if len(hashes) > 1 and len(set(hashes)) != len(hashes):
@@ -364,13 +350,11 @@ class PrefixTree:
                         if top == cap:
                             self._grow()
                             table, words, cap = self._hash, self._bits[w], len(self._hash)
-                            access = self._tb[node]
                         s = top
                         top += 1
                     table[s] = h
                     slot[h] = s
             words[s] |= bits
-            access[s] = now
         self._top = top
         self.stats.blocks_stored += len(hashes)
 
@@ -441,7 +425,7 @@ class PrefixTree:
     # -- checks ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Assert the holder bits, the slots and the per-node ``T_b`` tables agree (tests)."""
+        """Assert the holder bits and the slots agree (tests)."""
         live = set(self._slot.values())
         assert 0 not in live, "slot 0 is reserved"
         assert len(live) == len(self._slot), "two blocks share a slot"
@@ -460,8 +444,6 @@ class PrefixTree:
                 w, l2, l1, either = self._bits_of(idx)
                 m = self._bits[w][s]
                 assert bool(m & either) == bool(m & (l1 | l2)), f"{h} on {idx}: tier bits"
-        assert all(len(t) == len(self._hash) for t in self._tb)
-        assert all(t.obj is a for t, a in zip(self._tb, self._tb_np))
 
     def _count(self, what: str, **fields: object) -> None:
         value = getattr(self.stats, what) + 1

@@ -18,7 +18,7 @@ def test_arrow_routes_by_full_input_and_ignores_the_cached_prefix() -> None:
     toks = tokens(20000, 3)
     path = sim.service.directory.branches.hasher.hash(toks).hashes
     for medium in ("GPU", "CPU_PINNED"):
-        sim.service.directory.apply("n0", BlockStored(path, None, [], 64, medium=medium), 40.0)
+        sim.service.directory.apply("n0", BlockStored(path, None, [], 64, medium=medium))
     router._nodes["n0"].queue.add("x", 2000, 0, 0)  # n0 a little busier, but holds the prefix
     route = router.route(RouteRequest("q", "q", np.concatenate([toks, tokens(100, 4)]), 8), 40.0)
     assert isinstance(route, Route)

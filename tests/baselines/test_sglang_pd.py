@@ -50,7 +50,7 @@ def test_private_host_memory_plans_no_fetch_the_pool_does() -> None:
         toks = tokens(4000, 7)
         path = sim.service.directory.branches.hasher.hash(toks).hashes
         for medium in ("GPU", "CPU_PINNED"):
-            sim.service.directory.apply("n0", BlockStored(path, None, [], 64, medium=medium), 0)
+            sim.service.directory.apply("n0", BlockStored(path, None, [], 64, medium=medium))
         router = sim.service.router
         for i in range(40):  # load n0 so that n1 is the better choice
             router._nodes["n0"].queue.add(f"x{i}", 8192, 0, 0)

@@ -15,9 +15,9 @@ def d() -> Directory:
 
 
 def test_match_reports_own_l1_and_union_prefixes(d: Directory) -> None:
-    d.apply("a", stored([1, 2, 3], "CPU_PINNED"), 0.0)
-    d.apply("a", stored([1]), 0.0)
-    d.apply("b", stored([1, 2, 3, 4]), 0.0)
+    d.apply("a", stored([1, 2, 3], "CPU_PINNED"))
+    d.apply("a", stored([1]))
+    d.apply("b", stored([1, 2, 3, 4]))
     m = d.match([1, 2, 3, 4, 5])
     assert m.union == 4
     assert m.own == [3, 4, 0]
@@ -28,11 +28,11 @@ def test_match_reports_own_l1_and_union_prefixes(d: Directory) -> None:
 def test_a_block_lost_in_every_tier_zeroes_its_counts(d: Directory) -> None:
     path = d.step("x", list(range(12))).path.hashes
     d.place("x", "a")
-    d.apply("a", stored(path), 1.0)
-    d.apply("a", stored(path, "CPU_PINNED"), 1.0)
-    d.apply("a", BlockRemoved(path[1:2], "GPU"), 2.0)  # still in host memory
+    d.apply("a", stored(path))
+    d.apply("a", stored(path, "CPU_PINNED"))
+    d.apply("a", BlockRemoved(path[1:2], "GPU"))  # still in host memory
     assert d.branches.count(path[1], 0) == 1
-    d.apply("a", BlockRemoved(path[1:2], "CPU_PINNED"), 2.0)
+    d.apply("a", BlockRemoved(path[1:2], "CPU_PINNED"))
     assert d.branches.count(path[1], 0) == 0
     assert path[1] not in d.branches.counted("x", 0)
     d.place("x", "a")  # a later request recounts the block once the node stores it again
@@ -40,12 +40,12 @@ def test_a_block_lost_in_every_tier_zeroes_its_counts(d: Directory) -> None:
 
 
 def test_bad_events_are_counted_logged_and_harmless(d: Directory, logs) -> None:
-    d.apply("a", stored([7, 8], parent=99), 0.0)  # unknown parent: stored anyway
-    d.apply("a", BlockRemoved([123], "GPU"), 0.0)  # never stored
-    d.apply("a", stored([5, 6, 5]), 0.0)  # duplicate hash in one path
-    d.apply("zz", stored([1]), 0.0)  # unknown node
-    d.apply("a", stored([1], medium="DISK"), 0.0)  # tier not tracked
-    d.apply("a", BlockStored([3], None, [], 16, None), 0.0)  # another page size
+    d.apply("a", stored([7, 8], parent=99))  # unknown parent: stored anyway
+    d.apply("a", BlockRemoved([123], "GPU"))  # never stored
+    d.apply("a", stored([5, 6, 5]))  # duplicate hash in one path
+    d.apply("zz", stored([1]))  # unknown node
+    d.apply("a", stored([1], medium="DISK"))  # tier not tracked
+    d.apply("a", BlockStored([3], None, [], 16, None))  # another page size
     s = d.tree.stats
     assert (s.unknown_parent, s.unknown_removal, s.duplicate_hash, s.unknown_node,
             s.untracked_medium, s.block_size_mismatch) == (1, 1, 1, 1, 1, 1)
@@ -58,9 +58,9 @@ def test_bad_events_are_counted_logged_and_harmless(d: Directory, logs) -> None:
 def test_one_removal_event_mixing_every_case(d: Directory, logs) -> None:
     """Blocks kept in the other tier, lost on the node, freed everywhere, never held, and
     listed twice, in one event: each gets its own outcome."""
-    d.apply("a", stored([1, 2, 3, 4]), 0.0)
-    d.apply("a", stored([1, 2], "CPU_PINNED"), 0.0)
-    d.apply("b", stored([1, 2, 3]), 0.0)
+    d.apply("a", stored([1, 2, 3, 4]))
+    d.apply("a", stored([1, 2], "CPU_PINNED"))
+    d.apply("b", stored([1, 2, 3]))
     lost = d.tree.remove(0, [1, 3, 99, 4, 3], "GPU")
     assert lost == [3, 4]  # 1 stays in host memory; 99 was never there; 3 goes once
     assert d.tree.tiers(1, 0) == {Tier.L2} and not d.tree.holds(3, 0)
@@ -68,7 +68,7 @@ def test_one_removal_event_mixing_every_case(d: Directory, logs) -> None:
     assert d.tree.stats.unknown_removal == 2 and d.tree.stats.blocks_removed == 3
     assert sorted(e.get("block") for e in logs if e["problem"] == "unknown_removal") == [3, 99]
     d.check_invariants()
-    d.apply("c", stored([4, 5]), 1.0)  # the freed slot serves a new block
+    d.apply("c", stored([4, 5]))  # the freed slot serves a new block
     assert d.match([4, 5]).own == [0, 0, 2]
     d.check_invariants()
 
@@ -76,9 +76,9 @@ def test_one_removal_event_mixing_every_case(d: Directory, logs) -> None:
 def test_all_blocks_cleared_and_node_loss(d: Directory) -> None:
     path = d.step("x", list(range(8))).path.hashes
     d.place("x", "b")
-    d.apply("b", stored(path), 0.0)
-    d.apply("a", stored(path), 0.0)
-    d.apply("b", AllBlocksCleared(), 1.0)
+    d.apply("b", stored(path))
+    d.apply("a", stored(path))
+    d.apply("b", AllBlocksCleared())
     assert d.match(path).own == [2, 0, 0]
     assert d.branches.counted("x", 1) == set()
     d.place("x", "a")
@@ -88,25 +88,12 @@ def test_all_blocks_cleared_and_node_loss(d: Directory) -> None:
     d.check_invariants()
 
 
-def test_evict_host_prefers_zero_counts_then_lru_and_never_pinned(d: Directory) -> None:
-    counted = d.step("x", list(range(8))).path.hashes
-    d.place("x", "a")
-    d.apply("a", stored(counted, "CPU_PINNED"), 1.0)
-    d.apply("a", stored([101], "CPU_PINNED"), 3.0)
-    d.apply("a", stored([100], "CPU_PINNED"), 2.0)
-    d.apply("a", stored([102], "CPU_PINNED"), 4.0)
-    d.apply("a", stored([102], "GPU"), 4.0)  # in GPU memory too: not a host candidate
-    assert d.evict_host("a", 3, pinned=[101]) == [100, counted[0], counted[1]]
-    assert d.tree.tiers(102, 0) == {Tier.L1, Tier.L2}
-    assert d.branches.counted("x", 0) == set()
-
-
 def test_many_nodes_take_more_words_of_holder_bits() -> None:
     d = Directory({f"n{i}": Phase.PREFILL for i in range(8)}, page_size=4)
-    d.apply("n7", stored([1, 2]), 0.0)
+    d.apply("n7", stored([1, 2]))
     for i in range(8, 70):
         d.add_node(f"n{i}", Phase.DECODE)
-    d.apply("n69", stored([1]), 0.0)
+    d.apply("n69", stored([1]))
     m = d.match([1, 2])
     assert m.own[7] == 2 and m.own[69] == 1 and m.union == 2
     d.check_invariants()
@@ -116,21 +103,21 @@ def test_an_event_finds_blocks_beside_the_last_ones_slot_or_by_hash(d: Directory
     """Blocks stored together sit in consecutive slots, which an event tries first; a slot
     freed or taken by another block since (a block of hash 0 included) must not be
     mistaken for the block's."""
-    d.apply("a", stored([1, 2, 3, 4]), 0.0)
-    d.apply("a", BlockRemoved([3, 4], "GPU"), 1.0)  # freed: the slots after 2's
-    d.apply("b", stored([0, 9]), 2.0)  # a hash of 0 takes a freed slot, 9 the next
-    d.apply("c", stored([1, 2, 3, 0]), 3.0)  # 3 and 0 are not where 2's neighbour was
-    d.apply("a", BlockRemoved([2, 9, 0], "GPU"), 4.0)  # 9 and 0 were never a's
+    d.apply("a", stored([1, 2, 3, 4]))
+    d.apply("a", BlockRemoved([3, 4], "GPU"))  # freed: the slots after 2's
+    d.apply("b", stored([0, 9]))  # a hash of 0 takes a freed slot, 9 the next
+    d.apply("c", stored([1, 2, 3, 0]))  # 3 and 0 are not where 2's neighbour was
+    d.apply("a", BlockRemoved([2, 9, 0], "GPU"))  # 9 and 0 were never a's
     d.check_invariants()
     assert d.tree.stats.unknown_removal == 2
     assert [d.tree.holders(h) for h in (1, 2, 3, 4, 0, 9)] == [[0, 2], [2], [2], [], [1, 2], [1]]
-    assert d.tree.blocks_on(2) == {1: 3.0, 2: 3.0, 3: 3.0, 0: 3.0}
-    d.apply("c", BlockRemoved([3], "GPU"), 5.0)  # frees the slot after 9's
-    d.apply("c", stored([9, 0], "CPU_PINNED"), 6.0)  # 0 is not that free slot's, hash 0 or not
+    assert d.tree.blocks_on(2) == {1, 2, 3, 0}
+    d.apply("c", BlockRemoved([3], "GPU"))  # frees the slot after 9's
+    d.apply("c", stored([9, 0], "CPU_PINNED"))  # 0 is not that free slot's, hash 0 or not
     d.check_invariants()
     assert d.tree.tiers(0, 2) == {Tier.L1, Tier.L2} and d.tree.tiers(9, 2) == {Tier.L2}
     assert d.match([1, 2, 3]).own == [1, 0, 2]
-    assert d.tree.blocks_on(2) == {1: 3.0, 2: 3.0, 0: 6.0, 9: 6.0}
+    assert d.tree.blocks_on(2) == {1, 2, 0, 9}
     assert (d.tree.held(2), d.tree.held(2, Tier.L1), d.tree.held(2, Tier.L2)) == (4, 3, 2)
     assert d.summary()["nodes"]["c"] | {"phase": None} == {
         "phase": None, "blocks": 4, "host_blocks": 2, "positive_count_blocks": 0, "branches": 0}
@@ -149,8 +136,8 @@ def test_a_path_remembers_its_slots_and_checks_them(nodes: int) -> None:
     tokens = rng.integers(0, 1000, size=400).tolist()
     path = d.step("x", tokens).path
     hashes = path.hashes
-    d.apply(names[-1], stored(hashes[:80], "CPU_PINNED"), 0.0)
-    d.apply(names[0], stored(hashes[:50]), 0.0)
+    d.apply(names[-1], stored(hashes[:80], "CPU_PINNED"))
+    d.apply(names[0], stored(hashes[:50]))
 
     def agree(p) -> None:
         assert d.match(p) == d.match(list(p.hashes))
@@ -160,32 +147,32 @@ def test_a_path_remembers_its_slots_and_checks_them(nodes: int) -> None:
     assert path.memo is not None
     # Everything leaves, other blocks take the freed slots, the path's blocks come back in
     # other slots: more than a few stale at once.
-    d.apply(names[-1], BlockRemoved(hashes[:80], medium="CPU_PINNED"), 1.0)
-    d.apply(names[0], BlockRemoved(hashes[:50], medium="GPU"), 1.0)
-    d.apply(names[1], stored(list(range(10_000, 10_090))), 2.0)
-    d.apply(names[1], stored(hashes[:60]), 3.0)
+    d.apply(names[-1], BlockRemoved(hashes[:80], medium="CPU_PINNED"))
+    d.apply(names[0], BlockRemoved(hashes[:50], medium="GPU"))
+    d.apply(names[1], stored(list(range(10_000, 10_090))))
+    d.apply(names[1], stored(hashes[:60]))
     agree(path)
     # The next request inherits the shared slots; a few new pages are looked up.
     nxt = d.step("x", tokens + rng.integers(0, 1000, size=40).tolist()).path
     assert nxt.memo is not None and len(nxt.memo[0]) == len(hashes)
-    d.apply(names[-1], stored(nxt.hashes), 4.0)
+    d.apply(names[-1], stored(nxt.hashes))
     agree(nxt)
     # One block in the middle moves to a new slot: the prefix ends nowhere early.
-    d.apply(names[1], BlockRemoved(hashes[30:31], medium="GPU"), 5.0)
-    d.apply(names[-1], BlockRemoved(hashes[30:31], medium="CPU_PINNED"), 5.0)
-    d.apply(names[0], stored(list(range(20_000, 20_005))), 6.0)
-    d.apply(names[0], stored(hashes[30:31]), 6.0)
+    d.apply(names[1], BlockRemoved(hashes[30:31], medium="GPU"))
+    d.apply(names[-1], BlockRemoved(hashes[30:31], medium="CPU_PINNED"))
+    d.apply(names[0], stored(list(range(20_000, 20_005))))
+    d.apply(names[0], stored(hashes[30:31]))
     agree(nxt)
 
 
 def test_slots_remembered_by_another_directory_are_ignored() -> None:
     big = Directory({"a": Phase.PREFILL}, page_size=4)
-    big.apply("a", stored(list(range(1, 3000))), 0.0)  # its tables grow past 3,000 slots
+    big.apply("a", stored(list(range(1, 3000))))  # its tables grow past 3,000 slots
     path = big.step("x", list(range(4 * 40))).path
-    big.apply("a", stored(path.hashes), 0.0)
+    big.apply("a", stored(path.hashes))
     assert big.match(path).union == 40 and max(path.memo[0]) > 3000
     small = Directory({"a": Phase.PREFILL, "b": Phase.PREFILL}, page_size=4)
-    small.apply("b", stored(path.hashes[:7]), 0.0)
+    small.apply("b", stored(path.hashes[:7]))
     assert small.match(path) == small.match(list(path.hashes))
     assert small.match(path).own == [0, 7]
 

@@ -39,7 +39,6 @@ class DirectoryMachine(RuleBasedStateMachine):
         # (branch, phase) pairs whose last move into that phase has settled (E.2 line 11):
         # the branch must count on at most one node of the phase.
         self.settled: set[tuple[str, Phase]] = set()
-        self.now = 0.0
         self.next_id = 0
         # What each node's engine believes positive, from the hints it was pushed.
         self.engine_positive: dict[str, set[int]] = {n: set() for n in NODES}
@@ -58,10 +57,6 @@ class DirectoryMachine(RuleBasedStateMachine):
         assert got.old_len == len(pi_old)
         assert got.rewritten == (pi_new[: len(pi_old)] != pi_old)
         self.tokens[beta] = list(toks)
-
-    def _tick(self) -> float:
-        self.now += 1.0
-        return self.now
 
     def _active(self, data: st.DataObject) -> str:
         return data.draw(st.sampled_from(sorted(self.tokens)), label="branch")
@@ -189,10 +184,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         blocks = self._blocks(beta)[:upto]
         if not blocks:
             return
-        now = self._tick()
         self.real.apply(n, BlockStored(blocks, None, [0] * PAGE * len(blocks), PAGE,
-                                       medium=tier.medium), now)
-        self.ref.store(n, blocks, tier, now)
+                                       medium=tier.medium))
+        self.ref.store(n, blocks, tier)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), tier=st.sampled_from(list(Tier)), picks=st.lists(st.integers(0, 8), max_size=4))
@@ -200,13 +194,13 @@ class DirectoryMachine(RuleBasedStateMachine):
         beta, n = self._active(data), self._node(data)
         path = self._blocks(beta)
         blocks = sorted({path[i] for i in picks if i < len(path)})
-        self.real.apply(n, BlockRemoved(blocks, medium=tier.medium), self._tick())
+        self.real.apply(n, BlockRemoved(blocks, medium=tier.medium))
         self.ref.remove(n, blocks, tier)
 
     @rule(data=st.data())
     def all_blocks_cleared(self, data: st.DataObject) -> None:
         n = self._node(data)
-        self.real.apply(n, AllBlocksCleared(), self._tick())
+        self.real.apply(n, AllBlocksCleared())
         self.ref.clear(n)
 
     @rule(data=st.data())
@@ -227,24 +221,6 @@ class DirectoryMachine(RuleBasedStateMachine):
         full = self.real.full_hints(n)
         assert full.replace and not full.zero
         self.engine_positive[n] = set(full.positive)
-
-    @rule(data=st.data(), s=st.integers(1, 6), pin_every=st.integers(0, 3))
-    def host_eviction(self, data: st.DataObject, s: int, pin_every: int) -> None:
-        n = self._node(data)
-        idx = self.real.index(n)
-        candidates = sorted(self.real.tree.host_only_blocks(idx))
-        pinned = set(candidates[::pin_every]) if pin_every else set()
-        zero_before = {b for b in candidates
-                       if b not in pinned and self.real.branches.count(b, idx) == 0}
-        positive = {b for b in candidates if self.real.branches.count(b, idx) > 0}
-        got = self.real.evict_host(n, s, pinned)
-        want = self.ref.evict_host(n, s, pinned)
-        assert got == want
-        assert not pinned & set(got)
-        # Never a positive-count victim while a zero-count unpinned one remained.
-        for i, b in enumerate(got):
-            if b in positive:
-                assert zero_before <= set(got[:i]), "evicted a positive count before a zero one"
 
     # -- invariants -----------------------------------------------------------------------
 
@@ -322,8 +298,8 @@ def test_directory_agrees_with_reference() -> None:
 class _IgnoresEvictions(Directory):
     """A mutant that never zeroes counts of lost blocks (Dynamo's selftest idea)."""
 
-    def apply(self, node, event, now):  # type: ignore[override]
-        self.tree.apply(node, event, now)
+    def apply(self, node, event):  # type: ignore[override]
+        self.tree.apply(node, event)
 
 
 class _MutantMachine(DirectoryMachine):

@@ -21,7 +21,7 @@ def make(nodes=None) -> Router:
 def hold(router: Router, node: str, tokens: np.ndarray) -> list[int]:
     path = router.directory.branches.hasher.hash(tokens).hashes
     for medium in ("GPU", "CPU_PINNED"):
-        router.directory.apply(node, BlockStored(path, None, [], PAGE, medium=medium), 0.0)
+        router.directory.apply(node, BlockStored(path, None, [], PAGE, medium=medium))
     return path
 
 
@@ -58,7 +58,7 @@ def test_fetch_plan_takes_the_furthest_peer_then_fills_holes_from_any_holder() -
     tokens = rng.integers(0, 50_000, size=30 * PAGE + 100, dtype=np.uint32)
     path = r.directory.branches.hasher.hash(tokens).hashes
     for node, blocks in (("P1", path[:11] + path[12:30]), ("P2", path[:25]), ("P3", path[:25])):
-        r.directory.apply(node, BlockStored(blocks, None, [], PAGE, medium="GPU"), 0.0)
+        r.directory.apply(node, BlockStored(blocks, None, [], PAGE, medium="GPU"))
         load(r, node, 20)
     route = r.route(req("q1", tokens), now=0.0)
     assert route.node == "P4" and route.prediction.t_c == 30 * PAGE

@@ -77,6 +77,11 @@ class CarryIndex:
 
     def __init__(self) -> None:
         self._by_print: dict[int, BranchId] = {}
+        # How many held fingerprints have each low 16 bits, and whether any: a prompt's
+        # windows are checked against the latter before the dict (kept here, not rebuilt
+        # for every prompt; a byte per entry keeps the gather in cache).
+        self._low = np.zeros(1 << 16, np.int32)
+        self._any = np.zeros(1 << 16, bool)
         self._of: dict[BranchId, tuple[list[int], int]] = {}
         self._pow = np.ones(1, np.uint64)
         self._inv = np.ones(1, np.uint64)
@@ -97,6 +102,8 @@ class CarryIndex:
                   int(self._windows(answer.tail[:W])[0])]
         self._of[branch] = (prints, answer.first_page)
         for p in prints:
+            if p not in self._by_print:
+                self._count_low(p, 1)
             self._by_print[p] = branch
 
     def forget(self, branch: BranchId) -> None:
@@ -106,6 +113,7 @@ class CarryIndex:
             for p in entry[0]:
                 if self._by_print.get(p) == branch:
                     del self._by_print[p]
+                    self._count_low(p, -1)
 
     def find(self, tokens: np.ndarray, start: int, first_page: int,
              skip: Container[BranchId] = ()) -> Carried:
@@ -116,14 +124,17 @@ class CarryIndex:
         h = self._windows(tokens[start:])
         # The windows whose low 16 bits some fingerprint has, then the dict: one pass over a
         # long fresh prompt (np.isin sorts it, ten times slower with hundreds of branches).
-        low = np.zeros(1 << 16, bool)
-        low[np.fromiter(self._by_print, np.uint64, len(self._by_print)) & _LOW] = True
-        for i in low[h & _LOW].nonzero()[0].tolist():
+        for i in self._any[h & _LOW].nonzero()[0].tolist():
             branch = self._by_print.get(int(h[i]))
             if branch is not None and branch not in out.branches and branch not in skip:
                 out.branches.append(branch)
                 out.same_start.append(self._of[branch][1] == first_page)
         return out
+
+    def _count_low(self, p: int, d: int) -> None:
+        low = p & 0xFFFF
+        self._low[low] += d
+        self._any[low] = self._low[low] > 0
 
     def _windows(self, tokens: np.ndarray) -> np.ndarray:
         """The fingerprint of each ``W``-token window of ``tokens``: ``Σ_j (t_{i+j} + 1) ·

@@ -1,7 +1,7 @@
 """The HTTP side of the patch, in SGLang's server process (the one running FastAPI and the
 tokenizer manager).
 
-Two routes are added to SGLang's app before it starts serving:
+Three routes are added to SGLang's app before it starts serving:
 
 * ``POST /evinfra/hints`` (:data:`~evinfra.engine_patch.wire.COUNT_HINTS_PATH`): count hints,
   validated here (400 with the reason otherwise) and forwarded to the scheduler as an
@@ -9,6 +9,9 @@ Two routes are added to SGLang's app before it starts serving:
   scheduler. That socket carries the requests too, so hints and requests reach the scheduler
   in the order they were sent, and SGLang broadcasts them to every rank the same way. The
   scheduler-side hook consumes the message (no reply: the route answers 200 once it is sent).
+* ``POST /evinfra/kv_resync`` (:data:`~evinfra.engine_patch.wire.KV_RESYNC_PATH`): the same
+  way, a message that makes the scheduler republish its whole cache as KV events (the
+  publisher sends them with the scheduler's next batch of events, in order with the rest).
 * ``GET /evinfra/status``: the scheduler's patch status (switch history, eviction counters,
   pool and fetch records), read through SGLang's ``get_internal_state`` call, where a hook
   adds it as ``evinfra``.
@@ -22,7 +25,8 @@ import logging
 
 import msgspec
 
-from evinfra.engine_patch.wire import COUNT_HINTS_PATH, STATUS_PATH, WireError, decode_count_hints
+from evinfra.engine_patch.wire import (COUNT_HINTS_PATH, KV_RESYNC_PATH, STATUS_PATH, WireError,
+                                       decode_count_hints)
 
 __all__ = ["CONTROL_METHOD", "add_routes"]
 
@@ -48,6 +52,12 @@ def add_routes(app) -> None:
         state = getattr(http_server, "_global_state", None)
         return getattr(state, "tokenizer_manager", None)
 
+    async def to_scheduler(tm, message: dict) -> None:
+        from sglang.srt.managers.io_struct import RpcReqInput
+
+        await tm._async_dispatch_to_scheduler(
+            RpcReqInput(method=CONTROL_METHOD, parameters={"payload": json.dumps(message)}))
+
     async def hints(request: Request):
         tm = tokenizer_manager()
         if tm is None:
@@ -56,13 +66,16 @@ def add_routes(app) -> None:
             body = decode_count_hints(await request.body())
         except WireError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        from sglang.srt.managers.io_struct import RpcReqInput
-
-        payload = json.dumps({"kind": "hints", "body": msgspec.to_builtins(body)})
-        await tm._async_dispatch_to_scheduler(
-            RpcReqInput(method=CONTROL_METHOD, parameters={"payload": payload}))
+        await to_scheduler(tm, {"kind": "hints", "body": msgspec.to_builtins(body)})
         return JSONResponse({"ok": True, "positive": len(body.positive),
                              "zero": len(body.zero)})
+
+    async def kv_resync():
+        tm = tokenizer_manager()
+        if tm is None:
+            return JSONResponse({"error": "engine not ready"}, status_code=503)
+        await to_scheduler(tm, {"kind": "kv_resync"})
+        return JSONResponse({"ok": True})
 
     async def status():
         tm = tokenizer_manager()
@@ -76,5 +89,7 @@ def add_routes(app) -> None:
         return JSONResponse(found[0] if len(found) == 1 else {"ranks": found})
 
     app.add_api_route(COUNT_HINTS_PATH, hints, methods=["POST"])
+    app.add_api_route(KV_RESYNC_PATH, kv_resync, methods=["POST"])
     app.add_api_route(STATUS_PATH, status, methods=["GET"])
-    log.info("evinfra engine patch routes: POST %s, GET %s", COUNT_HINTS_PATH, STATUS_PATH)
+    log.info("evinfra engine patch routes: POST %s, POST %s, GET %s", COUNT_HINTS_PATH,
+             KV_RESYNC_PATH, STATUS_PATH)

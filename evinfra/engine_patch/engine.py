@@ -6,7 +6,8 @@ calls the hooks make into them (engine process only).
 * the in-place switch (:mod:`~evinfra.engine_patch.switch`), in both roles;
 * the count-aware host order (:mod:`~evinfra.engine_patch.eviction`), fed by count hints;
 * the pool server (:mod:`~evinfra.engine_patch.pool`), in both roles;
-* the fetcher (:mod:`~evinfra.engine_patch.fetch`), acting in the prefill role only.
+* the fetcher (:mod:`~evinfra.engine_patch.fetch`), acting in the prefill role only;
+* the KV resync: on the control plane's call, its whole cache republished as KV events.
 
 What needs the host tier (eviction, pool, fetch) is off, with a logged reason, when the
 engine runs without ``--enable-hierarchical-cache``, on SGLang's native TreeCore, with
@@ -29,7 +30,7 @@ from evinfra.engine_patch.eviction import CountAwareHostOrder
 from evinfra.engine_patch.settings import PatchSettings
 from evinfra.engine_patch.switch import SwitchController, running_requests
 from evinfra.engine_patch.wire import (COUNT_HINTS_PATH, FETCH_ACTION, FETCH_VERSION,
-                                       CountHints, PatchInfo, WireError)
+                                       KV_RESYNC_PATH, CountHints, PatchInfo, WireError)
 
 __all__ = ["EnginePatch", "PATCH_VERSION"]
 
@@ -50,6 +51,7 @@ class EnginePatch:
         self.fetcher = None
         self.hints_received = 0
         self.hints_rejected = 0
+        self.kv_resyncs = 0
         host_problem = self._host_tier_problem()
         for part in ("evict", "pool", "fetch"):
             if not settings.on(part):
@@ -111,7 +113,9 @@ class EnginePatch:
             count_hints=COUNT_HINTS_PATH if self.counts is not None else None,
             fetch_action=f"{FETCH_ACTION}/{FETCH_VERSION}" if self.fetcher else None,
             pool=self.pool.address if self.pool is not None else None,
-            host_tier="evict" not in self.disabled or "pool" not in self.disabled)
+            host_tier="evict" not in self.disabled or "pool" not in self.disabled,
+            kv_resync=(KV_RESYNC_PATH if tree_ops.can_republish(self.scheduler.tree_cache)
+                       else None))
 
     def init_info(self) -> dict:
         info = self.info()
@@ -126,7 +130,8 @@ class EnginePatch:
                                "role": s.disaggregation_mode.value,
                                "disabled": self.disabled, "time": time.time(),
                                "running": running_requests(s),
-                               "waiting": len(s.waiting_queue)}
+                               "waiting": len(s.waiting_queue),
+                               "kv_resyncs": self.kv_resyncs}
         if self.switch is not None:
             out["switch"] = {"draining": self.switch.draining,
                              "history": [msgspec.to_builtins(r) for r in self.switch.history]}
@@ -150,6 +155,9 @@ class EnginePatch:
         try:
             msg = json.loads(payload)
             kind = msg.get("kind")
+            if kind == "kv_resync":
+                self.kv_resync()
+                return
             if kind != "hints":
                 raise WireError(f"unknown control message {kind!r}")
             hints = msgspec.convert(msg.get("body"), CountHints)
@@ -160,6 +168,16 @@ class EnginePatch:
         self.hints_received += 1
         if self.counts is not None:
             self.counts.apply(hints)
+
+    def kv_resync(self) -> None:
+        """Republish the whole cache as KV events (``wire``: KV resyncs); the scheduler's
+        publisher sends them with its next batch."""
+        if not tree_ops.can_republish(self.scheduler.tree_cache):
+            log.warning("evinfra kv resync asked of an engine that cannot republish its cache")
+            return
+        pages = tree_ops.republish(self.scheduler.tree_cache)
+        self.kv_resyncs += 1
+        log.info("evinfra kv resync: %d pages republished (device and host)", pages)
 
     # -- every loop iteration ------------------------------------------------------------
 

@@ -17,13 +17,14 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import compute_node_hash_values, hash_str_to_int64
 
-__all__ = ["HostInsert", "host_slots_to", "host_tail", "insert_host_pages", "is_python_core",
-           "load_done", "lock_device", "lock_host", "match", "matched_pages", "node_hashes",
-           "start_load", "unlock_device", "unlock_host"]
+__all__ = ["HostInsert", "can_republish", "host_slots_to", "host_tail", "insert_host_pages",
+           "is_python_core", "load_done", "lock_device", "lock_host", "match", "matched_pages",
+           "node_hashes", "republish", "start_load", "unlock_device", "unlock_host"]
 
 FULL = 0  # ComponentType.FULL
 
@@ -164,6 +165,36 @@ def lock_device(tree_cache: Any, node_id: Any) -> Any:
 
 def unlock_device(tree_cache: Any, node_id: Any, params: Any) -> None:
     tree_cache.dec_lock_ref(node_id, params)
+
+
+def can_republish(tree_cache: Any) -> bool:
+    """The tree can be walked (Python TreeCore) and records KV events (``--kv-events-config``)."""
+    return is_python_core(tree_cache) and \
+        getattr(getattr(tree_cache.tree_core, "kv_events", None), "enabled", False)
+
+
+def republish(tree_cache: Any) -> int:
+    """Record the whole cache as KV events: ``AllBlocksCleared``, then every page held on
+    device (``GPU``), then every completed host copy (``CPU``; a write-through still in flight
+    publishes its store when SGLang acks it). Each pass walks the tree depth-first, parents
+    before children, so a path is one coalesced ``BlockStored`` chain (SGLang's recorder joins
+    a store to the previous one when it continues it). Returns the pages recorded."""
+    core = tree_cache.tree_core
+    kv = core.kv_events
+    kv.record_all_cleared()
+    pages = 0
+    for medium in (StorageMedium.GPU, StorageMedium.CPU):
+        stack = list(core.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            full = node.component_data[FULL]
+            held = full.value is not None if medium is StorageMedium.GPU else (
+                full.host_value is not None and node.write_through_pending_id is None)
+            if held:
+                kv.record_store(node, medium=medium)
+                pages += len(node.key) // core.page_size
+            stack.extend(node.children.values())
+    return pages
 
 
 def node_alive(tree_core: Any, node_id: Any) -> bool:

@@ -1,12 +1,18 @@
 """The contract between the control plane (the SGLang driver) and a patched engine (pure).
 
-Four things cross it, each validated at the edge that receives it:
+Five things cross it, each validated at the edge that receives it:
 
 * **Count hints** (``POST /evinfra/hints``, the path the engine advertises in ``/server_info``
   as ``evinfra_count_hints``): ``{"positive": [...], "zero": [...]}``, the block hashes whose
   branch count on this node crossed zero (:class:`~evinfra.directory.branches.HintDelta`, same
   field names). A block never named positive counts as zero. With ``"replace": true`` the
   positive list is every positive block: the engine drops its other marks (a resync).
+* **KV resyncs** (``POST /evinfra/kv_resync``, advertised as ``PatchInfo.kv_resync``, no
+  body): the engine republishes its whole cache on its own KV event stream, in order with its
+  other events: ``AllBlocksCleared``, then a ``BlockStored`` for every page it holds, in each
+  medium (``GPU``; ``CPU_PINNED`` for completed host copies), parents first. The driver asks
+  for one when its view of the node's stream broke (a gap the replay buffer no longer covers,
+  say of a control plane started beside an engine that has long been running).
 * **Fetch plans**, inside SGLang's own per-request ``kv_hints`` envelope of ``/generate``
   (SGLang 0.5.23 carries it to the scheduler untouched; consumers ignore actions they do not
   know): one action ``{"action_type": "evinfra.fetch", "action_version": "1", "payload":
@@ -30,14 +36,15 @@ from typing import Annotated, Any, Mapping
 import msgspec
 
 __all__ = [
-    "COUNT_HINTS_PATH", "FETCH_ACTION", "FETCH_VERSION", "STATUS_PATH", "CountHints",
-    "FetchPlan", "FetchRunWire", "HostLayout", "LeaseReply", "LeaseRequest", "PatchInfo",
-    "Release", "WireError", "decode_count_hints", "fetch_kv_hints", "find_fetch_plan",
-    "restored_tokens",
+    "COUNT_HINTS_PATH", "FETCH_ACTION", "FETCH_VERSION", "KV_RESYNC_PATH", "STATUS_PATH",
+    "CountHints", "FetchPlan", "FetchRunWire", "HostLayout", "LeaseReply", "LeaseRequest",
+    "PatchInfo", "Release", "WireError", "decode_count_hints", "fetch_kv_hints",
+    "find_fetch_plan", "restored_tokens",
 ]
 
 COUNT_HINTS_PATH = "/evinfra/hints"
 STATUS_PATH = "/evinfra/status"
+KV_RESYNC_PATH = "/evinfra/kv_resync"
 FETCH_ACTION = "evinfra.fetch"
 FETCH_VERSION = "1"
 
@@ -171,6 +178,8 @@ class PatchInfo(msgspec.Struct, frozen=True):
     """``host:port`` of this engine's pool server (peers lease its host KV there)."""
     host_tier: bool = False
     """HiCache host tier on (write-through in both roles)."""
+    kv_resync: str | None = None
+    """Path of the call that makes the engine republish its whole cache as KV events."""
 
 
 # -- the pool's lease protocol (engine to engine) ------------------------------------------

@@ -13,7 +13,9 @@ in order:
 * a switch drains by itself (switch time = drain time + a rebuild) and keeps the cache: after
   P->D->P the same prefix is reused and the output is unchanged;
 * through ``evinfra serve``'s service: after a P->D->P round trip the directory still lists the
-  engine's blocks (no ``AllBlocksCleared``) and a request reusing them reports cached tokens.
+  engine's blocks (no ``AllBlocksCleared``) and a request reusing them reports cached tokens;
+* a service started beside the engines, whose replay buffers (``KV_REPLAY_STEPS`` batches) no
+  longer reach back to blocks they hold, asks them for a KV resync and lists those blocks.
 
 At most these two engines run (the stock pair of the other modules starts after this module's
 teardown).
@@ -40,6 +42,7 @@ from pd_client import generate, http
 pytestmark = pytest.mark.sglang
 
 P = PAGE_SIZE
+KV_REPLAY_STEPS = 8  # short, so that a driver started late cannot replay the engines' history
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def pair(model_dir, tmp_path_factory):
     _require_sglang()
     logs = Path(os.environ.get("EVINFRA_SGLANG_LOGS") or tmp_path_factory.mktemp("patch-logs"))
     es = {n: Engine(n, role, model_dir, logs, patch=True, extra_args=HICACHE_ARGS,
-                    max_total_tokens=2048)
+                    max_total_tokens=2048, kv_replay_steps=KV_REPLAY_STEPS)
           for n, role in (("a", "prefill"), ("b", "decode"))}
     try:
         for e in es.values():
@@ -118,6 +121,7 @@ def test_the_engines_advertise_the_patch(pair):
         assert info["evinfra_count_hints"] == "/evinfra/hints"
         st = status(e)
         assert st["disabled"] == {} and st["host_tier"]["slots"] >= 4096
+        assert patch["kv_resync"] == "/evinfra/kv_resync"
 
 
 def test_a_queued_prefill_pulls_its_prefix_from_a_peers_host_memory(pair):
@@ -373,5 +377,36 @@ def test_a_round_trip_through_the_service_keeps_the_blocks_in_the_directory(pair
         assert t_drained - t0 > 0.3 and 0 <= t_b - t_drained < 3.0
         print(f"\nservice switch of b D->P: {t_b - t0:.3f} s, of which drain "
               f"{t_drained - t0:.3f} s")
+    finally:
+        svc.stop()
+
+
+def test_a_service_started_beside_running_engines_learns_what_they_hold(pair, model_dir):
+    """The engines stored a prompt's blocks, then published more batches than their replay
+    buffers keep: a control plane started now cannot replay that history. Its drivers clear
+    their view of each node and ask each engine for a KV resync, which republishes the
+    engine's whole cache in its event stream: the directory then lists the prompt's blocks in
+    both tiers of the prefill engine, as the engine holds them."""
+    from evinfra.config import parse_config
+    from evinfra.core.types import Tier
+
+    a, b = pair["a"], pair["b"]
+    prompt = tokens(11, 40)  # 10 full pages
+    gen(a, b, prompt, 2)
+    for i in range(KV_REPLAY_STEPS + 2):  # each request publishes a batch or more
+        gen(a, b, tokens(40 + i, 8), 1)
+    hashes = block_hashes(prompt, P)
+    svc = ServiceThread(parse_config(sglang_config(pair, model_dir))).start()
+    try:
+        deadline = time.monotonic() + 30
+        held = lambda: svc.call(lambda s: [s.directory.tree.tiers(h, s.directory.index("a"))  # noqa
+                                           for h in hashes])
+        while held() != [{Tier.L1, Tier.L2}] * len(hashes):
+            assert time.monotonic() < deadline, held()
+            time.sleep(0.05)
+        stats = svc.call(lambda s: {n: d.stats for n, d in s.drivers.items()})
+        for n in ("a", "b"):
+            assert stats[n]["kv_resyncs"] >= 1 and stats[n]["kv_resync_received"] >= 1
+            assert status(pair[n])["kv_resyncs"] >= 1
     finally:
         svc.stop()

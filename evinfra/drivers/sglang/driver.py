@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import msgspec
@@ -50,7 +50,7 @@ from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, OutputCursor, StreamError,
                                              generate_body, parse_sse_line, priority_for,
                                              prompt_logprobs)
-from evinfra.engine_patch.wire import (STATUS_PATH, CountHints, FetchPlan, FetchRunWire,
+from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire,
                                        fetch_kv_hints, restored_tokens)
 from evinfra.errors import EngineError, EvinfraError
 
@@ -124,12 +124,17 @@ class SGLangDriver:
         self._engine_clears = 0
         self._hints = HintOutbox()
         self._hint_task: asyncio.Task | None = None
+        self._resync_wanted = False  # a KV resync to ask of the engine
+        self._resync_awaited = False  # asked: its AllBlocksCleared is no cache drop
+        self._resync_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = {"prefills": 0, "decodes": 0, "failed": 0, "withdrawn": 0, "aborted": 0,
                       "switches": 0, "fetch_plans_sent": 0, "fetch_plans_ignored": 0,
                       "fetched_tokens": 0, "restored_tokens": 0, "hints_sent": 0,
                       "hints_retried": 0, "hints_refused": 0, "hints_unsupported": 0,
-                      "kv_batches": 0, "kv_resyncs": 0, "state_reports": 0,
+                      "kv_batches": 0, "kv_resyncs": 0, "kv_resync_sent": 0,
+                      "kv_resync_retried": 0, "kv_resync_refused": 0,
+                      "kv_resync_received": 0, "state_reports": 0,
                       "iteration_reports": 0}
 
     @property
@@ -539,15 +544,23 @@ class SGLangDriver:
             return
         self.stats["kv_batches"] += 1
         if any(type(e) is AllBlocksCleared for e in batch.events):
-            self._engine_clears += 1
+            if self._resync_awaited:  # the engine republishing its cache, as we asked
+                self._resync_awaited = False
+                self.stats["kv_resync_received"] += 1
+            else:
+                self._engine_clears += 1
         self.bus.publish(NodeKVEvents(self.node, seq, batch))
 
     def _on_kv_clear(self, reason: str) -> None:
+        """Our view of the node's stream broke (``kvstream``): clear the directory's view of
+        the node (it may list blocks the engine dropped meanwhile), and ask a patched engine
+        for all of it again."""
         if self._down:
             return
         self.stats["kv_resyncs"] += 1
         self.bus.publish(NodeKVEvents(self.node, -1, KVEventBatch(time.time(),
                                                                   [AllBlocksCleared()])))
+        self._ask_resync()
 
     # -- load, health ----------------------------------------------------------------------
 
@@ -651,6 +664,7 @@ class SGLangDriver:
                     f.task.cancel()
         # A restarted engine has no marks; the service resyncs one that comes back.
         self._hints.clear()
+        self._resync_wanted = self._resync_awaited = False
         # The directory dropped the node's blocks (NodeDown): stop feeding it more.
         if self._kv_task is not None:
             self._kv_task.cancel()
@@ -661,41 +675,73 @@ class SGLangDriver:
 
     async def _send_hints(self) -> None:
         """Send what waits in the outbox, one message at a time (see ``hints``), until it is
-        empty or the engine is down. A message that did not land is sent again, merged with
-        what came since, after ``poll_interval_s``."""
-        said = None
+        empty or the engine is down."""
         try:
-            while self._hints and not self._down:
-                msg = self._hints.take()
-                failed = await self._post_hints(msg)
-                if failed is None:
-                    said = None
-                    continue
-                self._hints.put_back(msg)
-                self.stats["hints_retried"] += 1
-                if failed != said:  # once per kind of failure, not once per retry
-                    said = failed
-                    log.warning("sglang_hints_failed", node=self.node, error=failed)
-                await self._sleep(self.settings.poll_interval_s)
+            await self._deliver("hints", self.info.hints_path, lambda: bool(self._hints),
+                                self._hints.take, self._hints.put_back)
         finally:
             self._hint_task = None
 
-    async def _post_hints(self, msg: CountHints) -> str | None:
-        """POST one message; None once it is done with (applied, or refused as malformed:
-        sending it again would not help), else why to try again."""
-        assert self.info is not None and self.info.hints_path is not None
+    def _ask_resync(self) -> None:
+        """Ask a patched engine to republish its whole cache on its KV event stream: our view
+        of the node was just cleared (``kvstream``), and its answer, in order with the rest of
+        the stream, rebuilds it (``AllBlocksCleared``, then every page it holds)."""
+        if self.info is None or self.info.kv_resync is None or self._down:
+            return
+        self._resync_wanted = True
+        if self._resync_task is None:
+            self._resync_task = self._spawn(self._send_resync())
+
+    async def _send_resync(self) -> None:
+        def take() -> None:
+            self._resync_wanted = False
+            self._resync_awaited = True
+            return None
+
+        def put_back(_: object) -> None:
+            self._resync_wanted = True
+
+        try:
+            await self._deliver("kv_resync", self.info.kv_resync,
+                                lambda: self._resync_wanted, take, put_back)
+        finally:
+            self._resync_task = None
+
+    async def _deliver(self, what: str, path: str, pending: Callable[[], bool],
+                       take: Callable[[], Any], put_back: Callable[[Any], None]) -> None:
+        """POST ``take()`` to ``path`` while ``pending()`` and the engine is up. A message
+        that did not land is put back, to be sent again (merged with what came since) after
+        ``poll_interval_s``; the failure is logged once per kind, not once per retry."""
+        said = None
+        while pending() and not self._down:
+            msg = take()
+            failed = await self._post_control(what, path, msg)
+            if failed is None:
+                said = None
+                continue
+            put_back(msg)
+            self.stats[f"{what}_retried"] += 1
+            if failed != said:
+                said = failed
+                log.warning(f"sglang_{what}_failed", node=self.node, error=failed)
+            await self._sleep(self.settings.poll_interval_s)
+
+    async def _post_control(self, what: str, path: str, msg: msgspec.Struct | None
+                            ) -> str | None:
+        """POST one message (``msg`` None: no body); None once it is done with (taken, or
+        refused as malformed: sending it again would not help), else why to try again."""
         try:
             async with self._session.post(
-                    self.url + self.info.hints_path, data=msgspec.json.encode(msg),
+                    self.url + path, data=msgspec.json.encode(msg) if msg is not None else b"",
                     headers={"Content-Type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=self.settings.poll_timeout_s)) as r:
                 if r.status == 200:
-                    self.stats["hints_sent"] += 1
+                    self.stats[f"{what}_sent"] += 1
                     return None
                 error = engine_message(await r.read())
                 if 400 <= r.status < 500:
-                    self.stats["hints_refused"] += 1
-                    log.warning("sglang_hints_refused", node=self.node, status=r.status,
+                    self.stats[f"{what}_refused"] += 1
+                    log.warning(f"sglang_{what}_refused", node=self.node, status=r.status,
                                 error=error)
                     return None
                 return f"HTTP {r.status}: {error}"

@@ -9,7 +9,9 @@ socket, answers from the replay ROUTER, timeouts) and carries out the actions it
   ``AllBlocksCleared`` for it, then go on from what follows. The directory then *undercounts*
   the node (blocks it still holds but we never heard of are missing), which only costs cache
   hits; it never *overcounts* (claims blocks the node dropped), which would route requests to
-  KV that is not there.
+  KV that is not there. The driver then asks an engine running the evinfra patch for a KV
+  resync: the engine republishes its whole cache in this same stream, and from that batch on
+  the view is exact again.
 
 The publisher (SGLang ``ZmqEventPublisher``) numbers its batches 0, 1, 2... from its start and
 keeps the last ``buffer_steps`` (10,000 by default) for replay. So:

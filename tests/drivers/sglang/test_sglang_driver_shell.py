@@ -7,14 +7,17 @@ import json
 
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 from aiohttp import web
 
 from evinfra.api.metrics import Metrics
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
-from evinfra.core.events import (NodeDown, NodeState, NodeUp, PhaseSwitched, PrefillDone,
-                                 PrefillStarted, RequestFailed, TokensOut, Withdrawn)
-from evinfra.core.types import Phase
+from evinfra.core.events import (END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, NodeDown,
+                                 NodeState, NodeUp, PhaseSwitched, PrefillDone, PrefillStarted,
+                                 RequestFailed, TokensOut, Withdrawn, encode_frames)
+from evinfra.core.types import Phase, Tier
 from evinfra.directory.branches import HintDelta
 from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
 from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
@@ -27,19 +30,57 @@ FAST = DriverSettings(poll_interval_s=0.05, down_after_s=0.3, discovery_timeout_
                       finish_wait_s=0.5, rejoin_interval_s=0.1)
 
 
+class FakePublisher:
+    """An SGLang KV event publisher on loopback: batches numbered from 0 on a PUB socket, and
+    a ROUTER that replays the last ``keep`` of them (SGLang's ``buffer_steps``)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.sent: list[list[bytes]] = []
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in (self._pub, self._router)]
+        self.descriptor = {"publisher": "zmq", "endpoint_port_base": ports[0], "block_size": 4,
+                           "replay_endpoint_port_base": ports[1]}
+        self._task = asyncio.get_running_loop().create_task(self._replays())
+
+    async def publish(self, *events) -> None:
+        frames = encode_frames(b"", len(self.sent), KVEventBatch(0.0, list(events)))
+        self.sent.append(frames)
+        await self._pub.send_multipart(frames)
+
+    async def _replays(self) -> None:
+        while True:
+            peer, _, start = await self._router.recv_multipart()
+            first = max(int.from_bytes(start, "big", signed=True), len(self.sent) - self.keep)
+            for frames in self.sent[first:]:
+                await self._router.send_multipart([peer, b"", *frames])
+            await self._router.send_multipart(
+                [peer, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._task.cancel()
+        self._ctx.destroy(linger=0)
+
+
 class FakeEngine:
-    def __init__(self, role: str, patch: dict | None = None) -> None:
+    def __init__(self, role: str, patch: dict | None = None,
+                 kv: FakePublisher | None = None) -> None:
         self.role = role
         self.patch = patch
+        self.kv = kv
         self.generate = None  # async handler(request, body) -> response
         self.hints = None  # async handler(request, body) -> response; the patch's route
+        self.kv_resync = None  # async handler(request) -> response; the patch's route
         self.aborted: list[str] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self, port: int = 0) -> None:
         app = web.Application()
-        info = {**SERVER_INFO, "kv_events": None, "disaggregation_mode": self.role}
+        info = {**SERVER_INFO, "kv_events": self.kv.descriptor if self.kv else None,
+                "disaggregation_mode": self.role}
         if self.patch is not None:
             info["evinfra_engine_patch"] = self.patch
             info["evinfra_count_hints"] = "/evinfra/hints"
@@ -58,6 +99,7 @@ class FakeEngine:
         app.router.add_post("/pd_role_switch", self._switch)
         app.router.add_get("/evinfra/status", self._status)
         app.router.add_post("/evinfra/hints", self._hints)
+        app.router.add_post("/evinfra/kv_resync", self._kv_resync)
         # A stopped engine drops its open streams at once (no graceful wait for handlers).
         self.runner = web.AppRunner(app, shutdown_timeout=0.05)
         await self.runner.setup()
@@ -70,6 +112,9 @@ class FakeEngine:
 
     async def _hints(self, request):
         return await self.hints(request, await request.json())
+
+    async def _kv_resync(self, request):
+        return await self.kv_resync(request)
 
     async def _switch(self, request):
         self.role = (await request.json())["new_role"]
@@ -454,3 +499,50 @@ async def test_an_engine_gets_the_directory_s_marks_in_full_at_start_and_when_ba
         assert service.status()["nodes"]["p"]["driver"]["hints_sent"] == 3
         text = Metrics(service).render().decode()
         assert 'evinfra_driver_events_total{event="hints_sent",node="p"} 3.0' in text
+
+
+async def test_a_patched_engine_republishes_its_cache_when_the_view_of_it_broke():
+    """A control plane started beside an engine whose replay buffer no longer reaches back to
+    its first batch clears its view of the node (never overcount) and asks the engine for a
+    KV resync, which comes in the stream: afterwards the directory lists every block the
+    engine holds, the ones published before it started included. An engine not ready (503)
+    is asked again."""
+    kv = FakePublisher(keep=2)
+    old = [BlockStored([10 + i], 10 + i - 1 if i else None, [1, 2, 3, 4], 4, medium="GPU")
+           for i in range(4)]
+    for e in old:  # batches 0..3: only 2 and 3 are still replayable
+        await kv.publish(e)
+    asked = []
+
+    async def resync(request):
+        asked.append(len(kv.sent))
+        if len(asked) == 1:
+            return web.json_response({"error": "engine not ready"}, status=503)
+        chain = BlockStored([10, 11, 12, 13], None, [1, 2, 3, 4] * 4, 4, medium="GPU")
+        await kv.publish(AllBlocksCleared(), chain)
+        return web.json_response({"ok": True})
+
+    engines = {"p": FakeEngine("prefill", PATCH_INFO, kv),
+               "d": FakeEngine("decode", PATCH_INFO)}
+    engines["p"].kv_resync = resync
+
+    async def take(request, body):
+        return web.json_response({"ok": True})
+
+    for e in engines.values():
+        e.hints = take
+    try:
+        async with service_over(engines) as service:
+            p, node = service.drivers["p"], service.directory.index("p")
+            tiers = lambda *hs: [service.directory.tree.tiers(h, node) for h in hs]  # noqa
+            await until(lambda: p.stats["kv_resync_received"] == 1)
+            assert tiers(10, 11, 12, 13) == [{Tier.L1}] * 4
+            assert p.stats["kv_resyncs"] == 1 and p.stats["kv_resync_sent"] == 1
+            assert p.stats["kv_resync_retried"] == 1 and len(asked) == 2
+            assert p._engine_clears == 0  # the resync's AllBlocksCleared is no cache drop
+            # The stream goes on from the resync.
+            await kv.publish(BlockStored([14], 13, [1, 2, 3, 4], 4, medium="GPU"))
+            await until(lambda: tiers(14) == [{Tier.L1}])
+            assert p.stats["kv_resyncs"] == 1 and len(asked) == 2
+    finally:
+        kv.close()

@@ -79,12 +79,14 @@ def free_port() -> int:
 class Engine:
     """One SGLang server process (a PD engine with role switch enabled). ``patch=True`` turns
     the evinfra engine patch on (add ``HICACHE_ARGS`` for its host tier); ``extra_args`` are
-    appended to the launch flags."""
+    appended to the launch flags; ``kv_replay_steps`` is how many KV event batches its replay
+    endpoint keeps (SGLang's ``buffer_steps``; default 10,000)."""
 
     def __init__(self, name: str, role: str, model_dir: Path, log_dir: Path, *,
                  patch: bool = False, extra_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None,
-                 max_total_tokens: int = MAX_TOTAL_TOKENS) -> None:
+                 max_total_tokens: int = MAX_TOTAL_TOKENS,
+                 kv_replay_steps: int | None = None) -> None:
         self.name = name
         self.role = role
         self.model_dir = model_dir
@@ -92,6 +94,7 @@ class Engine:
         self.extra_args = tuple(extra_args)
         self.extra_env = dict(env or {})
         self.max_total_tokens = max_total_tokens
+        self.kv_replay_steps = kv_replay_steps
         self.log_path = log_dir / f"sglang-{name}.log"
         self._pick_ports()
         self._log_start = 0  # where the last start's output begins in the log
@@ -110,6 +113,8 @@ class Engine:
     def command(self) -> list[str]:
         kv = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.kv_port}", "bind": True,
               "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
+        if self.kv_replay_steps is not None:
+            kv["buffer_steps"] = self.kv_replay_steps
         return [
             str(sglang_python()), "-m", "sglang.launch_server",
             "--model-path", str(self.model_dir), "--served-model-name", SERVED_NAME,

@@ -9,7 +9,9 @@ tools' ``input_schema`` as their parameters; ``thinking`` turns the template's
 ``enable_thinking`` on or off. The answer comes back as content blocks (``thinking`` from the
 reasoning parser, ``text``, ``tool_use`` from the tool-call parser), whole or as Anthropic's
 stream of events. ``usage`` splits the prompt as Anthropic does: ``cache_read_input_tokens``
-reused from KV, ``input_tokens`` computed.
+reused from KV, ``input_tokens`` computed. A final ``assistant`` message is a prefilled
+answer, as Anthropic reads it: the model goes on writing it (the template's end of that turn
+is cut off) and the answer is what follows.
 
 A forced ``tool_choice`` (``any``, ``tool``) holds the output to the calls' JSON schema
 (``constraints.py``), on engines that can.
@@ -31,7 +33,7 @@ from evinfra.api.constraints import check_served, tools_schema
 from evinfra.api.schemas import AgentHints, TopP, decode_body
 from evinfra.api.serving import (NO_IMAGES, Sample, chat_reader, check_model, joined_text,
                                  max_tokens_for, sse_event, stop_strings, submit_one, whole)
-from evinfra.api.tokenizer import Tokenizer
+from evinfra.api.tokenizer import Tokenizer, continue_final
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
@@ -114,6 +116,26 @@ class MessagesRequest(CountTokensRequest, frozen=True, kw_only=True):
     top_p: TopP = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None
     evinfra: AgentHints | None = None
+
+
+def _prefill(messages: list[dict[str, object]], param: str) -> str | None:
+    """The text of a final assistant message, which the answer goes on with, as Anthropic
+    continues a prefilled response (None: the last message is the user's). One with no text
+    asks for a new turn: it is dropped."""
+    last = messages[-1]
+    if last["role"] != "assistant":
+        return None
+    if last.get("tool_calls"):
+        raise RequestError("a final assistant message with tool_use blocks cannot be "
+                           "continued: its calls wait for their tool_result", param=param)
+    text = str(last["content"])
+    if not text.strip():
+        messages.pop()
+        return None
+    if text != text.rstrip():
+        raise RequestError("final assistant content cannot end with trailing whitespace",
+                           param=param)
+    return text
 
 
 def _chat_messages(body: CountTokensRequest) -> list[dict[str, object]]:
@@ -236,20 +258,28 @@ class AnthropicRoutes:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
 
-    def _prompt(self, body: CountTokensRequest) -> tuple[str, list[dict] | None]:
+    def _prompt(self, body: CountTokensRequest) -> tuple[str, list[dict] | None, str | None]:
+        """The rendered prompt, the tools, and the text of a final assistant message that the
+        answer goes on with (None: the answer is a new turn)."""
         check_model(self.model, body.model)
         tools = _tools(body)
         extra = None if body.thinking is None else \
             {"enable_thinking": body.thinking.type != "disabled"}
-        return self.tok.apply_chat_template(_chat_messages(body), tools, extra), tools
+        messages = _chat_messages(body)
+        prefill = _prefill(messages, f"messages[{len(body.messages) - 1}]")
+        if prefill is None:
+            return self.tok.apply_chat_template(messages, tools, extra), tools, None
+        rendered = self.tok.apply_chat_template(messages, tools, extra,
+                                                add_generation_prompt=False)
+        return continue_final(rendered, messages), tools, prefill
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        prompt, _ = self._prompt(decode_body(await request.read(), CountTokensRequest))
+        prompt, _, _ = self._prompt(decode_body(await request.read(), CountTokensRequest))
         return web.json_response({"input_tokens": int(self.tok.encode(prompt).size)})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), MessagesRequest)
-        prompt, tools = self._prompt(body)
+        prompt, tools, prefill = self._prompt(body)
         choice = body.tool_choice
         parallel = choice is None or not choice.disable_parallel_tool_use
         schema = None
@@ -262,7 +292,8 @@ class AnthropicRoutes:
                          "tool_choice")
             schema = tools_schema(tools, choice.name if choice.type == "tool" else None,
                                   parallel, "tool_choice")
-        reader = chat_reader(self.model, prompt, tools, parallel, _tool_use_id, forced)
+        reader = chat_reader(self.model, prompt, tools, parallel, _tool_use_id, forced,
+                             prefill)
         tokens = self.tok.encode(prompt)
         sampling = Sampling(max_tokens_for(self.model, tokens, body.max_tokens),
                             body.temperature, body.top_p,

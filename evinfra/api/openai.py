@@ -29,7 +29,7 @@ from evinfra.api.schemas import (ChatCompletionRequest, CompletionRequest, Detok
                                  TokenizeRequest, ToolChoice, decode_body)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
                                  outputs, read_hints, stop_strings, whole)
-from evinfra.api.tokenizer import Tokenizer
+from evinfra.api.tokenizer import Tokenizer, continue_final, message_text
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
@@ -75,7 +75,10 @@ def _prompt_tokens(prompt: str | list[int], tok: Tokenizer) -> np.ndarray:
 
 
 def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None,
-                 tok: Tokenizer, add_generation_prompt: bool = True) -> str:
+                 tok: Tokenizer) -> str:
+    """The messages through the chat template; the assistant's turn opened after them, or
+    their final message, an assistant's, left open to go on with
+    (``continue_final_message``)."""
     if not body.messages:
         raise RequestError("messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
@@ -83,8 +86,14 @@ def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tools: list[dict
         if not isinstance(role, str) or role not in _ROLES:  # (a list is not hashable)
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
-    return tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs,
-                                   add_generation_prompt)
+    go_on = body.continue_final_message
+    if go_on and body.add_generation_prompt:
+        raise RequestError("continue_final_message goes on with the final message: "
+                           "add_generation_prompt cannot open a new one",
+                           param="add_generation_prompt")
+    opened = not go_on if body.add_generation_prompt is None else body.add_generation_prompt
+    text = tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs, opened)
+    return continue_final(text, body.messages) if go_on else text
 
 
 def _candidates(body: CompletionRequest, prompts: int) -> int:
@@ -186,7 +195,7 @@ class OpenAIRoutes:
             text, special = body.prompt, body.add_special_tokens is not False
         else:
             tools = msgspec.to_builtins(body.tools) if body.tools else None
-            text = _chat_prompt(body, tools, self.tok, body.add_generation_prompt)
+            text = _chat_prompt(body, tools, self.tok)
             special = bool(body.add_special_tokens)
         tokens = self.tok.encode(text, add_special_tokens=special).tolist()
         out: dict[str, object] = {"count": len(tokens), "tokens": tokens,
@@ -211,9 +220,10 @@ class OpenAIRoutes:
                          "a forced tool choice" if forced else "a JSON response_format",
                          "tool_choice" if forced else "response_format")
         prompt = _chat_prompt(body, tools, self.tok)
+        continued = message_text(body.messages[-1]) if body.continue_final_message else None
         reader = (None if schema is not None and not forced else
                   chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id,
-                              forced))
+                              forced, continued))
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, [self.tok.encode(prompt)], max_tokens,
                                  chat=True, reader=reader, schema=schema)

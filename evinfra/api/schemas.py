@@ -117,6 +117,12 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, object] | None = None
     """More variables for the model's chat template (``enable_thinking`` for Qwen3, say), as
     SGLang and vLLM accept them."""
+    add_generation_prompt: bool | None = None
+    """vLLM's: open the assistant's turn after the messages (default: yes, unless
+    ``continue_final_message``)."""
+    continue_final_message: bool = False
+    """vLLM's: the final message, an assistant's, is continued rather than answered (a
+    prefilled answer): the output is what follows its text."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
     """Each output token's log-probability in ``choices[].logprobs.content``."""
@@ -151,8 +157,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     """``POST /tokenize`` (as vLLM and SGLang serve it): a ``prompt``, read as a completion
     reads it, or ``messages`` (and ``tools``) rendered as a chat completion renders them.
     vLLM's options: ``add_special_tokens`` (default: as this server reads that input, so
-    a prompt's BOS yes, a chat's no), ``add_generation_prompt`` (a chat's assistant turn
-    opened, default yes) and ``return_token_strs``."""
+    a prompt's BOS yes, a chat's no), ``add_generation_prompt`` and
+    ``continue_final_message`` (as a chat completion takes them) and ``return_token_strs``."""
 
     model: str | None = None
     prompt: str | None = None
@@ -160,7 +166,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, object] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

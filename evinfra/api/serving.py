@@ -182,12 +182,13 @@ class ChatOutput:
 
 
 def chat_reader(model: ModelConfig, prompt: str, tools: list[dict] | None, parallel: bool,
-                new_id: Callable[[], str], forced: bool = False
+                new_id: Callable[[], str], forced: bool = False, continued: str | None = None
                 ) -> Callable[[], ChatOutput] | None:
     """What reads each choice of a chat request whose rendered prompt is ``prompt`` (None:
     the output is all content). ``tools`` as the template got them; ``new_id`` names a call.
     Tools need the config to name the model's call format: it is not guessed. A ``forced``
-    tool choice's output is the array of calls its grammar holds it to (no reasoning)."""
+    tool choice's output is the array of calls its grammar holds it to (no reasoning).
+    ``continued``: the text of the final assistant message the output goes on with."""
     if forced:
         return lambda: ChatOutput(None, ForcedCalls(new_id))
     read_calls = None
@@ -200,8 +201,10 @@ def chat_reader(model: ModelConfig, prompt: str, tools: list[dict] | None, paral
     think = REASONING_PARSERS[model.reasoning_parser] if model.reasoning_parser else None
     if think is None and read_calls is None:
         return None
-    # The template may open the reasoning block itself (DeepSeek-R1's does).
-    forced = prompt.rstrip().endswith(ThinkSplit.START)
+    # The template may open the reasoning block itself (DeepSeek-R1's does), or the message
+    # the output goes on with may have left one open.
+    forced = prompt.rstrip().endswith(ThinkSplit.START) if continued is None else \
+        continued.rfind(ThinkSplit.START) > continued.rfind(ThinkSplit.END)
 
     def reader() -> ChatOutput:
         return ChatOutput(think(forced) if think else None,

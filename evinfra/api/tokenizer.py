@@ -19,7 +19,7 @@ import numpy as np
 
 from evinfra.errors import ConfigError, RequestError
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "continue_final", "load_tokenizer"]
 
 Message = dict[str, object]
 
@@ -59,6 +59,24 @@ def message_text(message: Message) -> str:
             parts.append(str(part.get("text", "")))
         return "".join(parts)
     raise RequestError("message content must be a string or a list of parts", param="messages")
+
+
+def continue_final(rendered: str, messages: list[Message]) -> str:
+    """A conversation rendered without a generation prompt, cut right after the text of its
+    final message, an assistant's: the model goes on writing that message (a prefilled
+    answer) instead of closing it. As transformers' and vLLM's ``continue_final_message``:
+    what the template writes after the text (its end-of-turn tokens) goes; the text is found
+    stripped, as templates often strip it."""
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        raise RequestError("only an assistant's final message can be continued",
+                           param="messages")
+    text = message_text(last).strip()
+    at = rendered.rfind(text) if text else -1
+    if at < 0:
+        raise RequestError("the chat template does not render the final assistant message's "
+                           "text as it is: it cannot be continued", param="messages")
+    return rendered[:at + len(text)]
 
 
 def _arguments(messages: list[Message]) -> list[Message]:

@@ -1,7 +1,7 @@
 """The HTTP side of the patch, in SGLang's server process (the one running FastAPI and the
 tokenizer manager).
 
-Three routes are added to SGLang's app before it starts serving:
+Four routes are added to SGLang's app before it starts serving:
 
 * ``POST /evinfra/hints`` (:data:`~evinfra.engine_patch.wire.COUNT_HINTS_PATH`): count hints,
   validated here (400 with the reason otherwise) and forwarded to the scheduler as an
@@ -15,6 +15,10 @@ Three routes are added to SGLang's app before it starts serving:
 * ``GET /evinfra/status``: the scheduler's patch status (switch history, eviction counters,
   pool and fetch records), read through SGLang's ``get_internal_state`` call, where a hook
   adds it as ``evinfra``.
+* ``GET /evinfra/iterations?after=N`` (:data:`~evinfra.engine_patch.wire.ITERATIONS_PATH`):
+  the forward passes numbered above ``N`` (:class:`~evinfra.engine_patch.wire.IterationLog`),
+  read the same way (the hook adds the scheduler's whole log as ``evinfra_iterations``; this
+  route keeps the ones asked for).
 
 ``/server_info`` needs no route of ours: SGLang merges the scheduler's init info into it, and
 a hook adds ``evinfra_engine_patch`` and ``evinfra_count_hints`` there.
@@ -25,8 +29,8 @@ import logging
 
 import msgspec
 
-from evinfra.engine_patch.wire import (COUNT_HINTS_PATH, KV_RESYNC_PATH, STATUS_PATH, WireError,
-                                       decode_count_hints)
+from evinfra.engine_patch.wire import (COUNT_HINTS_PATH, ITERATIONS_PATH, KV_RESYNC_PATH,
+                                       STATUS_PATH, WireError, decode_count_hints)
 
 __all__ = ["CONTROL_METHOD", "add_routes"]
 
@@ -77,19 +81,35 @@ def add_routes(app) -> None:
         await to_scheduler(tm, {"kind": "kv_resync"})
         return JSONResponse({"ok": True})
 
-    async def status():
+    async def scheduler_state(key: str):
+        """``key`` of each rank's internal state, or the error response to give."""
         tm = tokenizer_manager()
         if tm is None:
-            return JSONResponse({"error": "engine not ready"}, status_code=503)
+            return None, JSONResponse({"error": "engine not ready"}, status_code=503)
         states = await tm.get_internal_state()
-        found = [s.get("evinfra") for s in states if isinstance(s, dict)]
+        found = [s.get(key) for s in states if isinstance(s, dict)]
         if not found or found[0] is None:
-            return JSONResponse({"error": "the evinfra engine patch is not active in the "
-                                          "scheduler"}, status_code=404)
+            return None, JSONResponse({"error": f"the evinfra engine patch does not report "
+                                                f"{key!r} in the scheduler"}, status_code=404)
+        return found, None
+
+    async def status():
+        found, error = await scheduler_state("evinfra")
+        if error is not None:
+            return error
         return JSONResponse(found[0] if len(found) == 1 else {"ranks": found})
+
+    async def iterations(after: int = -1):
+        found, error = await scheduler_state("evinfra_iterations")
+        if error is not None:
+            return error
+        log_ = found[0]  # the patch drives one rank per engine
+        return JSONResponse({"last": log_["last"],
+                             "records": [r for r in log_["records"] if r["seq"] > after]})
 
     app.add_api_route(COUNT_HINTS_PATH, hints, methods=["POST"])
     app.add_api_route(KV_RESYNC_PATH, kv_resync, methods=["POST"])
     app.add_api_route(STATUS_PATH, status, methods=["GET"])
-    log.info("evinfra engine patch routes: POST %s, POST %s, GET %s", COUNT_HINTS_PATH,
-             KV_RESYNC_PATH, STATUS_PATH)
+    app.add_api_route(ITERATIONS_PATH, iterations, methods=["GET"])
+    log.info("evinfra engine patch routes: POST %s, POST %s, GET %s, GET %s",
+             COUNT_HINTS_PATH, KV_RESYNC_PATH, STATUS_PATH, ITERATIONS_PATH)

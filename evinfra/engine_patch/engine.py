@@ -7,7 +7,8 @@ calls the hooks make into them (engine process only).
 * the count-aware host order (:mod:`~evinfra.engine_patch.eviction`), fed by count hints;
 * the pool server (:mod:`~evinfra.engine_patch.pool`), in both roles;
 * the fetcher (:mod:`~evinfra.engine_patch.fetch`), acting in the prefill role only;
-* the KV resync: on the control plane's call, its whole cache republished as KV events.
+* the KV resync: on the control plane's call, its whole cache republished as KV events;
+* the iteration log (:mod:`~evinfra.engine_patch.iterations`): each forward pass, timed.
 
 What needs the host tier (eviction, pool, fetch) is off, with a logged reason, when the
 engine runs without ``--enable-hierarchical-cache``, on SGLang's native TreeCore, with
@@ -27,10 +28,12 @@ import msgspec
 
 from evinfra.engine_patch import tree_ops
 from evinfra.engine_patch.eviction import CountAwareHostOrder
+from evinfra.engine_patch.iterations import IterationRecorder
 from evinfra.engine_patch.settings import PatchSettings
 from evinfra.engine_patch.switch import SwitchController, running_requests
 from evinfra.engine_patch.wire import (COUNT_HINTS_PATH, FETCH_ACTION, FETCH_VERSION,
-                                       KV_RESYNC_PATH, CountHints, PatchInfo, WireError)
+                                       ITERATIONS_PATH, KV_RESYNC_PATH, CountHints, PatchInfo,
+                                       WireError)
 
 __all__ = ["EnginePatch", "PATCH_VERSION"]
 
@@ -52,6 +55,8 @@ class EnginePatch:
         self.hints_received = 0
         self.hints_rejected = 0
         self.kv_resyncs = 0
+        self.iterations = IterationRecorder() if settings.on("iterations") else None
+        self.iteration_failed = False
         host_problem = self._host_tier_problem()
         for part in ("evict", "pool", "fetch"):
             if not settings.on(part):
@@ -115,7 +120,8 @@ class EnginePatch:
             pool=self.pool.address if self.pool is not None else None,
             host_tier="evict" not in self.disabled or "pool" not in self.disabled,
             kv_resync=(KV_RESYNC_PATH if tree_ops.can_republish(self.scheduler.tree_cache)
-                       else None))
+                       else None),
+            iterations=ITERATIONS_PATH if self.iterations is not None else None)
 
     def init_info(self) -> dict:
         info = self.info()
@@ -178,6 +184,28 @@ class EnginePatch:
         pages = tree_ops.republish(self.scheduler.tree_cache)
         self.kv_resyncs += 1
         log.info("evinfra kv resync: %d pages republished (device and host)", pages)
+
+    # -- forward passes --------------------------------------------------------------------
+
+    def on_batch_done(self, batch: Any, result: Any) -> None:
+        """Record a forward pass once its result is processed: from its launch (SGLang's
+        ``launch_ts``) to now. A decode pass with speculative decoding feeds each request
+        its draft tokens and accepts the correct ones plus one."""
+        launched = getattr(batch, "launch_ts", None)
+        if launched is None:
+            return
+        duration = time.monotonic() - launched
+        start = time.time() - duration
+        mode = batch.forward_mode
+        if mode.is_extend():
+            self.iterations.prefill(start, duration, [
+                (req.rid, int(t_uc), int(t_c), int(req.host_loaded_length))
+                for req, t_uc, t_c in zip(batch.reqs, batch.extend_lens, batch.prefix_lens)])
+        elif mode.is_decode():
+            n = len(batch.reqs)
+            drafts = getattr(result, "num_correct_drafts", 0) or 0
+            t_fwd = getattr(result, "speculative_num_draft_tokens", None) or 1
+            self.iterations.decode(start, duration, n, t_fwd, n + drafts)
 
     # -- every loop iteration ------------------------------------------------------------
 

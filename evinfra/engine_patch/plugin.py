@@ -26,6 +26,7 @@ disaggregation.prefill.PrefillBootstrapQueue              AFTER   park requests 
 managers.scheduler.Scheduler.is_fully_idle                AFTER   parked/fetching = not idle
 managers.scheduler.Scheduler.abort_request                BEFORE  abort reaches parked reqs
 managers.scheduler.Scheduler.run_batch                    BEFORE  prefill start times
+managers.scheduler.Scheduler.process_batch_result         AFTER   the iteration log
 managers.scheduler_components.output_streamer             AFTER   fetched/restored tokens
   .SchedulerOutputStreamer.get_cached_tokens_details              in meta_info
 disaggregation.decode_hicache_mixin                       AFTER   decode never loads from
@@ -46,6 +47,8 @@ import os
 import sys
 import time
 from typing import Any, Callable
+
+import msgspec
 
 from evinfra.engine_patch.settings import ENABLE_ENV, PatchSettings, enabled
 
@@ -94,6 +97,8 @@ def register() -> None:
         reg("sglang.srt.disaggregation.role_switch._release_prefix_cache_for_role_switch",
             _around_release_prefix_cache, HookType.AROUND)
     reg(S + "_add_request_to_queue", _around_add_request, HookType.AROUND)
+    if settings.on("iterations"):
+        reg(S + "process_batch_result", _after_process_batch_result, HookType.AFTER)
     if settings.on("fetch"):
         reg("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
             _after_pop_bootstrapped, HookType.AFTER)
@@ -165,6 +170,8 @@ def _after_internal_state(result, self, *args, **kwargs):
     if patch is not None and isinstance(state, dict):
         try:
             state["evinfra"] = patch.status()
+            if patch.iterations is not None:
+                state["evinfra_iterations"] = msgspec.to_builtins(patch.iterations.since(-1))
         except Exception as exc:  # noqa: BLE001 - a status read must not fail the call
             state["evinfra"] = {"error": repr(exc)}
     return result
@@ -187,6 +194,18 @@ def _after_process_input(result, self, *args, **kwargs):
         from sglang.srt.disaggregation import role_switch
 
         raise role_switch.PdRoleSwitchRestart()
+    return result
+
+
+def _after_process_batch_result(result, self, batch, *args, **kwargs):
+    patch = _patch_of(self)
+    if patch is not None and patch.iterations is not None and batch is not None:
+        try:
+            patch.on_batch_done(batch, args[0] if args else kwargs.get("result"))
+        except Exception:  # noqa: BLE001 - a record lost, never the batch; said once
+            if not patch.iteration_failed:
+                patch.iteration_failed = True
+                log.exception("evinfra iteration record failed (said once)")
     return result
 
 

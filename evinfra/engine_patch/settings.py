@@ -9,7 +9,8 @@ variable                      default  meaning
 ============================  =======  ==================================================
 EVINFRA_ENGINE_PATCH          (unset)  ``1`` turns the patch on
 EVINFRA_PATCH_FEATURES        all      comma list of parts to turn on: ``switch``,
-                                       ``evict``, ``pool``, ``fetch``, ``cpu_host``
+                                       ``evict``, ``pool``, ``fetch``, ``cpu_host``,
+                                       ``iterations``
 EVINFRA_POOL_HOST             the engine's ``--host`` (``127.0.0.1`` for a wildcard)
                                        address peers dial for this engine's pool server
 EVINFRA_POOL_PORT             0        pool server port (0: a free one)
@@ -31,7 +32,7 @@ import msgspec
 __all__ = ["ENABLE_ENV", "FEATURES", "PatchSettings", "enabled"]
 
 ENABLE_ENV = "EVINFRA_ENGINE_PATCH"
-FEATURES = ("switch", "evict", "pool", "fetch", "cpu_host")
+FEATURES = ("switch", "evict", "pool", "fetch", "cpu_host", "iterations")
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:

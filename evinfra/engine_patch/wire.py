@@ -1,6 +1,6 @@
 """The contract between the control plane (the SGLang driver) and a patched engine (pure).
 
-Five things cross it, each validated at the edge that receives it:
+Six things cross it, each validated at the edge that receives it:
 
 * **Count hints** (``POST /evinfra/hints``, the path the engine advertises in ``/server_info``
   as ``evinfra_count_hints``): ``{"positive": [...], "zero": [...]}``, the block hashes whose
@@ -13,6 +13,12 @@ Five things cross it, each validated at the edge that receives it:
   medium (``GPU``; ``CPU_PINNED`` for completed host copies), parents first. The driver asks
   for one when its view of the node's stream broke (a gap the replay buffer no longer covers,
   say of a control plane started beside an engine that has long been running).
+* **Iterations** (``GET /evinfra/iterations?after=N``, advertised as
+  ``PatchInfo.iterations``): the engine's last forward passes, each timed and described as
+  the planner fits them (:class:`IterationRecord`; numbered from 0, the ones after ``N``),
+  with the number of the last one (:class:`IterationLog`). SGLang reports per-iteration
+  times only through CUDA events; its cumulative counters cannot tell overlapping prefills
+  apart.
 * **Fetch plans**, inside SGLang's own per-request ``kv_hints`` envelope of ``/generate``
   (SGLang 0.5.23 carries it to the scheduler untouched; consumers ignore actions they do not
   know): one action ``{"action_type": "evinfra.fetch", "action_version": "1", "payload":
@@ -36,15 +42,17 @@ from typing import Annotated, Any, Mapping
 import msgspec
 
 __all__ = [
-    "COUNT_HINTS_PATH", "FETCH_ACTION", "FETCH_VERSION", "KV_RESYNC_PATH", "STATUS_PATH",
-    "CountHints", "FetchPlan", "FetchRunWire", "HostLayout", "LeaseReply", "LeaseRequest",
-    "PatchInfo", "Release", "WireError", "decode_count_hints", "fetch_kv_hints",
-    "find_fetch_plan", "restored_tokens",
+    "COUNT_HINTS_PATH", "FETCH_ACTION", "FETCH_VERSION", "ITERATIONS_PATH", "KV_RESYNC_PATH",
+    "STATUS_PATH", "CountHints", "FetchPlan", "FetchRunWire", "HostLayout", "IterationLog",
+    "IterationRecord", "LeaseReply", "LeaseRequest", "PatchInfo", "Release", "WireError",
+    "decode_count_hints", "decode_iterations", "fetch_kv_hints", "find_fetch_plan",
+    "restored_tokens",
 ]
 
 COUNT_HINTS_PATH = "/evinfra/hints"
 STATUS_PATH = "/evinfra/status"
 KV_RESYNC_PATH = "/evinfra/kv_resync"
+ITERATIONS_PATH = "/evinfra/iterations"
 FETCH_ACTION = "evinfra.fetch"
 FETCH_VERSION = "1"
 
@@ -77,6 +85,44 @@ def decode_count_hints(body: bytes) -> CountHints:
         return _hints.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"count hints: {exc}") from exc
+
+
+# -- iterations --------------------------------------------------------------------------
+
+
+class IterationRecord(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One forward pass: ``start`` (engine wall clock, s) and ``duration`` (launch to its
+    result processed, s). A prefill (extend) pass lists ``[rid, t_uc, t_c, t_rst]`` per
+    request in ``prefill`` (tokens computed, context before them, tokens loaded from host
+    memory for it during the pass); a decode pass has ``batch`` requests fed ``t_fwd`` tokens
+    each and ``accepted`` output tokens in all."""
+
+    seq: NonNeg
+    start: float
+    duration: float
+    prefill: list[tuple[str, NonNeg, NonNeg, NonNeg]] = []
+    batch: NonNeg = 0
+    t_fwd: Pos = 1
+    accepted: NonNeg = 0
+
+
+class IterationLog(msgspec.Struct, frozen=True):
+    """``records`` after the asked number, oldest first; ``last``: the number of the
+    engine's latest pass (-1: none yet). A ``last`` below the asked number is a new engine
+    process, which numbers its passes from 0 again."""
+
+    last: int
+    records: list[IterationRecord] = []
+
+
+_iterations = msgspec.json.Decoder(IterationLog)
+
+
+def decode_iterations(body: bytes) -> IterationLog:
+    try:
+        return _iterations.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"iterations: {exc}") from exc
 
 
 # -- fetch plans -------------------------------------------------------------------------
@@ -180,6 +226,8 @@ class PatchInfo(msgspec.Struct, frozen=True):
     """HiCache host tier on (write-through in both roles)."""
     kv_resync: str | None = None
     """Path of the call that makes the engine republish its whole cache as KV events."""
+    iterations: str | None = None
+    """Path of the engine's log of forward passes (:class:`IterationLog`)."""
 
 
 # -- the pool's lease protocol (engine to engine) ------------------------------------------

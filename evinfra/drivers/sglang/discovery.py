@@ -15,8 +15,8 @@ Facts read (SGLang 0.5.23):
   one after ``/pd_role_switch``.
 * An engine running the evinfra engine patch (``evinfra/engine_patch``) adds
   ``evinfra_engine_patch`` (:class:`~evinfra.engine_patch.wire.PatchInfo`: in-place switch,
-  fetch plans, its pool address, the KV resync call) and ``evinfra_count_hints`` (the hint
-  path). Stock SGLang has neither.
+  fetch plans, its pool address, the KV resync and iteration log calls) and
+  ``evinfra_count_hints`` (the hint path). Stock SGLang has neither.
 * ``grammar_backend`` (``xgrammar`` by default, ``none`` when turned off) says whether the
   engine can hold an output to a JSON schema.
 """
@@ -113,6 +113,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     """``host:port`` of the engine's pool server: what a peer's fetch plan names."""
     kv_resync: str | None = None
     """Path of the call that makes the engine republish its whole cache as KV events."""
+    iterations: str | None = None
+    """Path of the engine's log of forward passes (the planner's reports from it)."""
     grammar: bool = False
     """Launched with a grammar backend (``--grammar-backend`` not ``none``): it holds an
     output to a JSON schema."""
@@ -182,4 +184,5 @@ def parse_engine_info(node: NodeId, url: str, server_info: bytes, model_info: by
         fetch=patch is not None and patch.fetch_action == f"{FETCH_ACTION}/{FETCH_VERSION}",
         pool=patch.pool if patch is not None else None,
         kv_resync=patch.kv_resync if patch is not None else None,
+        iterations=patch.iterations if patch is not None else None,
         grammar=si.grammar_backend not in (None, "none"))

@@ -44,13 +44,14 @@ from evinfra.drivers.base import DecodeOrder, PrefillOrder
 from evinfra.drivers.sglang.discovery import EngineInfo, parse_engine_info
 from evinfra.drivers.sglang.errors import Failure, engine_message, from_exception, from_http
 from evinfra.drivers.sglang.hints import HintOutbox
+from evinfra.drivers.sglang.iterations import IterationTracker
 from evinfra.drivers.sglang.kvsub import KVSubscriber
 from evinfra.drivers.sglang.loads import LOADS_PATH, LoadsTracker, parse_loads
 from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, OutputCursor, StreamError,
                                              generate_body, parse_sse_line, priority_for,
                                              prompt_logprobs)
-from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire,
+from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire, decode_iterations,
                                        fetch_kv_hints, restored_tokens)
 from evinfra.errors import EngineError, EvinfraError
 
@@ -121,6 +122,8 @@ class SGLangDriver:
         self._kv: KVSubscriber | None = None
         self._kv_task: asyncio.Task | None = None
         self._loads = LoadsTracker(node)
+        self._iterations = IterationTracker(node)
+        self._iterations_failed: str | None = None
         self._engine_clears = 0
         self._hints = HintOutbox()
         self._hint_task: asyncio.Task | None = None
@@ -135,7 +138,7 @@ class SGLangDriver:
                       "kv_batches": 0, "kv_resyncs": 0, "kv_resync_sent": 0,
                       "kv_resync_retried": 0, "kv_resync_refused": 0,
                       "kv_resync_received": 0, "state_reports": 0,
-                      "iteration_reports": 0}
+                      "iteration_reports": 0, "iterations_missed": 0}
 
     @property
     def constrains_output(self) -> bool:
@@ -586,6 +589,7 @@ class SGLangDriver:
             break
         self._down = False
         self._loads = LoadsTracker(self.node)
+        self._iterations = IterationTracker(self.node)
         log.info("sglang_engine_back", node=self.node, url=self.url)
         self.bus.publish(NodeUp(self.node, self.clock.now()))
         self._connect(info)
@@ -617,7 +621,37 @@ class SGLangDriver:
             else:
                 failing_since = None
                 self._report(load, now)
+                if self.info.iterations is not None:
+                    await self._poll_iterations()
             await self._sleep(s.poll_interval_s)
+
+    async def _poll_iterations(self) -> None:
+        """The patched engine's forward passes since the last poll, each the planner's
+        report (``iterations``). A failed read is logged once per kind and tried again at the
+        next poll (the engine keeps its last passes meanwhile)."""
+        tracker = self._iterations
+        try:
+            async with self._session.get(
+                    self.url + self.info.iterations, params={"after": str(tracker.after)},
+                    timeout=aiohttp.ClientTimeout(total=self.settings.poll_timeout_s)) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    raise _HTTPFailure(from_http(r.status, raw, "iteration log"))
+            got = decode_iterations(raw)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the planner waits for the next poll
+            why = exc.failure.message if isinstance(exc, _HTTPFailure) else str(exc)
+            if why != self._iterations_failed:
+                self._iterations_failed = why
+                log.warning("sglang_iterations_failed", node=self.node, error=why)
+            return
+        self._iterations_failed = None
+        missed = tracker.missed
+        for report in tracker.take(got, self.clock.now(), time.time()):
+            self.stats["iteration_reports"] += 1
+            self.bus.publish(report)
+        self.stats["iterations_missed"] += tracker.missed - missed
 
     def _report(self, load, now: float) -> None:
         prev = self._loads.last
@@ -629,6 +663,8 @@ class SGLangDriver:
                         driver=self.phase.value if self.phase else None)
         self.stats["state_reports"] += 1
         self.bus.publish(state)
+        if self.info.iterations is not None:
+            return  # the engine's own log reports every pass (_poll_iterations)
         for r in (report, decode):
             if r is not None:
                 self.stats["iteration_reports"] += 1

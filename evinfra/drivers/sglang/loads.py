@@ -24,7 +24,8 @@ What SGLang 0.5.23 gives, and what it cannot:
   iterations, no context lengths), so a prefill report is only made when the counters' growth
   is exactly one prefill the driver saw finish (its uncached tokens match): then the busy time
   is that prefill's, as one iteration (its chunks summed; exact for a prompt within one
-  chunk). Prefills that overlapped are not attributed and give no report.
+  chunk). Prefills that overlapped are not attributed and give no report. An engine running
+  the evinfra patch reports each pass itself (``iterations``), and these are not used.
 """
 
 from __future__ import annotations

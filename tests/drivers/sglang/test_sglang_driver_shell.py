@@ -14,9 +14,10 @@ from aiohttp import web
 from evinfra.api.metrics import Metrics
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
-from evinfra.core.events import (END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, NodeDown,
-                                 NodeState, NodeUp, PhaseSwitched, PrefillDone, PrefillStarted,
-                                 RequestFailed, TokensOut, Withdrawn, encode_frames)
+from evinfra.core.events import (END_SEQ, AllBlocksCleared, BlockStored, IterationReport,
+                                 KVEventBatch, NodeDown, NodeState, NodeUp, PhaseSwitched,
+                                 PrefillDone, PrefillItem, PrefillStarted, RequestFailed,
+                                 TokensOut, Withdrawn, encode_frames)
 from evinfra.core.types import Phase, Tier
 from evinfra.directory.branches import HintDelta
 from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
@@ -73,6 +74,8 @@ class FakeEngine:
         self.generate = None  # async handler(request, body) -> response
         self.hints = None  # async handler(request, body) -> response; the patch's route
         self.kv_resync = None  # async handler(request) -> response; the patch's route
+        self.passes: list[dict] = []  # the patch's iteration log (GET /evinfra/iterations)
+        self.passes_asked: list[int] = []
         self.aborted: list[str] = []
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -100,6 +103,7 @@ class FakeEngine:
         app.router.add_get("/evinfra/status", self._status)
         app.router.add_post("/evinfra/hints", self._hints)
         app.router.add_post("/evinfra/kv_resync", self._kv_resync)
+        app.router.add_get("/evinfra/iterations", self._iterations)
         # A stopped engine drops its open streams at once (no graceful wait for handlers).
         self.runner = web.AppRunner(app, shutdown_timeout=0.05)
         await self.runner.setup()
@@ -115,6 +119,12 @@ class FakeEngine:
 
     async def _kv_resync(self, request):
         return await self.kv_resync(request)
+
+    async def _iterations(self, request):
+        after = int(request.query["after"])
+        self.passes_asked.append(after)
+        return web.json_response({"last": self.passes[-1]["seq"] if self.passes else -1,
+                                  "records": [p for p in self.passes if p["seq"] > after]})
 
     async def _switch(self, request):
         self.role = (await request.json())["new_role"]
@@ -154,7 +164,7 @@ def meta(n, finish=None, cached=0):
 async def cluster(request):
     bus, events = Bus(), []
     for t in (PhaseSwitched, PrefillStarted, PrefillDone, TokensOut, RequestFailed, Withdrawn,
-              NodeDown, NodeUp, NodeState):
+              NodeDown, NodeUp, NodeState, IterationReport):
         bus.subscribe(t, events.append)
     patched = request.param
     p = FakeEngine("prefill", {**PATCH_INFO, "pool": "127.0.0.1:6001"} if patched else None)
@@ -546,3 +556,24 @@ async def test_a_patched_engine_republishes_its_cache_when_the_view_of_it_broke(
             assert p.stats["kv_resyncs"] == 1 and len(asked) == 2
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("cluster", [True], indirect=True, ids=["patched"])
+async def test_a_patched_engine_s_passes_are_the_planner_s_reports(cluster):
+    """Each pass of the engine's own log becomes one report (and only those: the cumulative
+    counters of /v1/loads are not read as well), asked for after the last one seen."""
+    drivers, engines, events = cluster
+    p = engines["p"]
+    p.passes += [{"seq": 0, "start": 1.0, "duration": 0.25,
+                  "prefill": [["r1-p1", 40, 8, 0], ["r2-p2", 12, 0, 4]]},
+                 {"seq": 1, "start": 1.3, "duration": 0.02, "batch": 2, "accepted": 2}]
+    await until(lambda: len(of(events, IterationReport, node="p")) == 2)
+    first, second = of(events, IterationReport, node="p")
+    assert first.prefill == [PrefillItem("r1-p1", 40, 8, 0), PrefillItem("r2-p2", 12, 0, 4)]
+    assert first.duration == 0.25 and (second.batch, second.accepted) == (2, 2)
+    assert second.start - first.start == pytest.approx(0.3)
+    p.passes.append({"seq": 4, "start": 2.0, "duration": 0.1, "batch": 1, "accepted": 1})
+    await until(lambda: drivers["p"].stats["iterations_missed"] == 2)
+    await until(lambda: p.passes_asked[-1] == 4)
+    assert len(of(events, IterationReport, node="p")) == 3
+    assert drivers["p"].stats["iteration_reports"] == 3

@@ -263,7 +263,7 @@ def test_errors_map_to_clear_messages():
 
 PATCH_INFO = {"version": "1", "switch_in_place": True, "count_hints": "/evinfra/hints",
               "fetch_action": "evinfra.fetch/1", "pool": "10.1.2.3:6001", "host_tier": True,
-              "kv_resync": "/evinfra/kv_resync"}
+              "kv_resync": "/evinfra/kv_resync", "iterations": "/evinfra/iterations"}
 
 
 def test_discovery_reads_the_engine_patch():
@@ -271,9 +271,10 @@ def test_discovery_reads_the_engine_patch():
                      "evinfra_count_hints": "/evinfra/hints"})
     assert i.switch_in_place and i.fetch and i.pool == "10.1.2.3:6001"
     assert i.hints_path == "/evinfra/hints" and i.kv_resync == "/evinfra/kv_resync"
+    assert i.iterations == "/evinfra/iterations"
     stock = info()
     assert not stock.switch_in_place and not stock.fetch and stock.pool is None
-    assert stock.kv_resync is None
+    assert stock.kv_resync is None and stock.iterations is None
     # A future fetch protocol this driver does not speak is not used.
     newer = info(server={**SERVER_INFO, "evinfra_engine_patch": {**PATCH_INFO,
                                                                  "fetch_action": "evinfra.fetch/9"}})

@@ -103,9 +103,9 @@ def add_routes(app) -> None:
         found, error = await scheduler_state("evinfra_iterations")
         if error is not None:
             return error
-        log_ = found[0]  # the patch drives one rank per engine
-        return JSONResponse({"last": log_["last"],
-                             "records": [r for r in log_["records"] if r["seq"] > after]})
+        passes = found[0]  # the patch drives one rank per engine
+        return JSONResponse({"last": passes["last"],
+                             "records": [r for r in passes["records"] if r["seq"] > after]})
 
     app.add_api_route(COUNT_HINTS_PATH, hints, methods=["POST"])
     app.add_api_route(KV_RESYNC_PATH, kv_resync, methods=["POST"])

@@ -81,10 +81,14 @@ _hints = msgspec.json.Decoder(CountHints)
 
 
 def decode_count_hints(body: bytes) -> CountHints:
+    return _decoded(_hints, body, "count hints")
+
+
+def _decoded(decoder: msgspec.json.Decoder, body: bytes, what: str):
     try:
-        return _hints.decode(body)
+        return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"count hints: {exc}") from exc
+        raise WireError(f"{what}: {exc}") from exc
 
 
 # -- iterations --------------------------------------------------------------------------
@@ -119,10 +123,7 @@ _iterations = msgspec.json.Decoder(IterationLog)
 
 
 def decode_iterations(body: bytes) -> IterationLog:
-    try:
-        return _iterations.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"iterations: {exc}") from exc
+    return _decoded(_iterations, body, "iterations")
 
 
 # -- fetch plans -------------------------------------------------------------------------

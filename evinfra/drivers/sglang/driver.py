@@ -600,13 +600,7 @@ class SGLangDriver:
         while not self._down:
             now = self.clock.now()
             try:
-                async with self._session.get(
-                        self.url + LOADS_PATH,
-                        timeout=aiohttp.ClientTimeout(total=s.poll_timeout_s)) as resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        raise _HTTPFailure(from_http(resp.status, raw, "load poll"))
-                load = parse_loads(raw)
+                load = parse_loads(await self._get(LOADS_PATH, "load poll"))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -631,13 +625,8 @@ class SGLangDriver:
         next poll (the engine keeps its last passes meanwhile)."""
         tracker = self._iterations
         try:
-            async with self._session.get(
-                    self.url + self.info.iterations, params={"after": str(tracker.after)},
-                    timeout=aiohttp.ClientTimeout(total=self.settings.poll_timeout_s)) as r:
-                raw = await r.read()
-                if r.status != 200:
-                    raise _HTTPFailure(from_http(r.status, raw, "iteration log"))
-            got = decode_iterations(raw)
+            got = decode_iterations(await self._get(self.info.iterations, "iteration log",
+                                                    after=str(tracker.after)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the planner waits for the next poll
@@ -652,6 +641,17 @@ class SGLangDriver:
             self.stats["iteration_reports"] += 1
             self.bus.publish(report)
         self.stats["iterations_missed"] += tracker.missed - missed
+
+    async def _get(self, path: str, what: str, **params: str) -> bytes:
+        """The body of ``GET path`` (``what`` names it in errors); raises ``_HTTPFailure``
+        for an answer that is not 200."""
+        async with self._session.get(
+                self.url + path, params=params,
+                timeout=aiohttp.ClientTimeout(total=self.settings.poll_timeout_s)) as r:
+            raw = await r.read()
+            if r.status != 200:
+                raise _HTTPFailure(from_http(r.status, raw, what))
+            return raw
 
     def _report(self, load, now: float) -> None:
         prev = self._loads.last
@@ -732,7 +732,6 @@ class SGLangDriver:
         def take() -> None:
             self._resync_wanted = False
             self._resync_awaited = True
-            return None
 
         def put_back(_: object) -> None:
             self._resync_wanted = True

@@ -30,3 +30,6 @@ def test_the_shipped_configs_load():
     for name in ("etc/cluster.toml", "etc/demo.toml"):
         c = load_config(name)
         assert len(c.cluster.nodes) == 9 and c.model.tool_calls == "hermes"
+    c = load_config("etc/sglang.toml")  # the template for real engines
+    assert c.cluster.driver == "sglang" and c.model.dir and c.cluster.page_size == 64
+    assert all(n.url.startswith("http://") for n in c.cluster.nodes)

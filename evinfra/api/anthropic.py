@@ -292,8 +292,8 @@ class AnthropicRoutes:
                          "tool_choice")
             schema = tools_schema(tools, choice.name if choice.type == "tool" else None,
                                   parallel, "tool_choice")
-        reader = chat_reader(self.model, prompt, tools, parallel, _tool_use_id, forced,
-                             prefill)
+        reader = chat_reader(self.model, prompt, tools if schema is None else None, parallel,
+                             _tool_use_id, forced, prefill)
         tokens = self.tok.encode(prompt)
         sampling = Sampling(max_tokens_for(self.model, tokens, body.max_tokens),
                             body.temperature, body.top_p,

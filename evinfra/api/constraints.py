@@ -5,9 +5,11 @@ A JSON answer (``response_format`` / ``text.format``) is held to the request's s
 "an object", and comes back as the content. A forced tool choice (``required``, a named
 function; Anthropic's ``any`` and ``tool``) is held, as SGLang does it, to a JSON array of
 ``{"name", "parameters"}`` objects, one per call, which :class:`ForcedCalls` reads back into
-tool calls once the output is whole. Either way the whole output is the JSON: no reasoning
-block comes first. Engines that cannot hold an output to a grammar (the fake engines, SGLang
-launched with ``--grammar-backend none``) are not sent such a request: it is refused.
+tool calls once the output is whole. An engine may let a thinking model reason before its
+grammar holds the output (SGLang launched with ``--reasoning-parser``): with the config's
+reasoning parser that block comes back apart, as for any answer (``serving.chat_reader``).
+Engines that cannot hold an output to a grammar (the fake engines, SGLang launched with
+``--grammar-backend none``) are not sent such a request: it is refused.
 """
 
 from __future__ import annotations

@@ -221,9 +221,8 @@ class OpenAIRoutes:
                          "tool_choice" if forced else "response_format")
         prompt = _chat_prompt(body, tools, self.tok)
         continued = message_text(body.messages[-1]) if body.continue_final_message else None
-        reader = (None if schema is not None and not forced else
-                  chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id,
-                              forced, continued))
+        reader = chat_reader(self.model, prompt, tools if schema is None else None,
+                             body.parallel_tool_calls, _call_id, forced, continued)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, [self.tok.encode(prompt)], max_tokens,
                                  chat=True, reader=reader, schema=schema)

@@ -375,9 +375,8 @@ class ResponsesRoutes:
             _input_messages(body)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         prompt = self.tok.apply_chat_template(system + conversation, tools)
-        reader = (None if schema is not None and not forced else
-                  chat_reader(self.model, prompt, tools, body.parallel_tool_calls, _call_id,
-                              forced))
+        reader = chat_reader(self.model, prompt, tools if schema is None else None,
+                             body.parallel_tool_calls, _call_id, forced)
         tokens = self.tok.encode(prompt)
         sampling = Sampling(max_tokens_for(self.model, tokens, body.max_output_tokens),
                             body.temperature, body.top_p,

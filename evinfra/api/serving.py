@@ -185,12 +185,23 @@ def chat_reader(model: ModelConfig, prompt: str, tools: list[dict] | None, paral
                 new_id: Callable[[], str], forced: bool = False, continued: str | None = None
                 ) -> Callable[[], ChatOutput] | None:
     """What reads each choice of a chat request whose rendered prompt is ``prompt`` (None:
-    the output is all content). ``tools`` as the template got them; ``new_id`` names a call.
-    Tools need the config to name the model's call format: it is not guessed. A ``forced``
-    tool choice's output is the array of calls its grammar holds it to (no reasoning).
-    ``continued``: the text of the final assistant message the output goes on with."""
+    the output is all content). ``tools`` as the template got them, None for an output a
+    grammar holds (no tagged calls there); ``new_id`` names a call. Tools need the config to
+    name the model's call format: it is not guessed. A ``forced`` tool choice's output is the
+    array of calls its grammar holds it to. ``continued``: the text of the final assistant
+    message the output goes on with.
+
+    With the config's reasoning parser a thinking model's reasoning block is read off first,
+    a grammar's output too: an engine may let the model reason before its grammar holds it
+    (SGLang launched with ``--reasoning-parser``), and an output that opens no block is all
+    answer."""
+    think = REASONING_PARSERS[model.reasoning_parser] if model.reasoning_parser else None
+    # The template may open the reasoning block itself (DeepSeek-R1's does), or the message
+    # the output goes on with may have left one open.
+    opened = prompt.rstrip().endswith(ThinkSplit.START) if continued is None else \
+        continued.rfind(ThinkSplit.START) > continued.rfind(ThinkSplit.END)
     if forced:
-        return lambda: ChatOutput(None, ForcedCalls(new_id))
+        return lambda: ChatOutput(think(opened) if think else None, ForcedCalls(new_id))
     read_calls = None
     if tools is not None:
         if model.tool_calls is None:
@@ -198,16 +209,11 @@ def chat_reader(model: ModelConfig, prompt: str, tools: list[dict] | None, paral
                                "model.tool_call_parser in the config (one of: "
                                f"{', '.join(TOOL_PARSERS)})", param="tools")
         read_calls = TOOL_PARSERS[model.tool_calls]
-    think = REASONING_PARSERS[model.reasoning_parser] if model.reasoning_parser else None
     if think is None and read_calls is None:
         return None
-    # The template may open the reasoning block itself (DeepSeek-R1's does), or the message
-    # the output goes on with may have left one open.
-    forced = prompt.rstrip().endswith(ThinkSplit.START) if continued is None else \
-        continued.rfind(ThinkSplit.START) > continued.rfind(ThinkSplit.END)
 
     def reader() -> ChatOutput:
-        return ChatOutput(think(forced) if think else None,
+        return ChatOutput(think(opened) if think else None,
                           TaggedCalls(read_calls, new_id, tools, parallel) if read_calls
                           else None)
     return reader

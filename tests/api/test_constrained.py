@@ -158,3 +158,31 @@ async def test_anthropic_forced_tool_use(client, grammar, monkeypatch):
         model="evinfra-fake", max_tokens=4, tools=tools, tool_choice={"type": "tool"},
         messages=[{"role": "user", "content": "look"}]))
     assert r.status == 400 and "needs the tool's name" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("config_overrides", [{"model": {"reasoning_parser": "think"}}])
+async def test_a_thinking_model_may_reason_before_the_grammar_holds_it(
+        client, grammar, monkeypatch, config_overrides):
+    """An engine that lets the model reason before its grammar applies (SGLang with
+    --reasoning-parser) writes the block first: it comes back apart, the JSON or the calls
+    after it as the answer, whole and streamed; an output with no block is all answer."""
+    oa = openai_client(client)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    for says, reasoning in (('<think>is it?</think>{"ok": true}', "is it?"),
+                            ('{"ok": true}', None)):
+        model_says(monkeypatch, says)
+        r = await oa.chat.completions.create(model="evinfra-fake", messages=MESSAGES,
+                                             max_tokens=40, response_format=fmt)
+        m = r.choices[0].message
+        assert (getattr(m, "reasoning_content", None), json.loads(m.content)) == \
+            (reasoning, {"ok": True})
+    model_says(monkeypatch, '<think>read it</think>[{"name": "ls", "parameters": {}}]')
+    kw = dict(model="evinfra-fake", messages=MESSAGES, max_tokens=80, tools=TOOLS,
+              tool_choice="required")
+    m = (await oa.chat.completions.create(**kw)).choices[0].message
+    assert (m.reasoning_content, [c.function.name for c in m.tool_calls]) == ("read it", ["ls"])
+    reasoning, calls = "", []
+    async for chunk in await oa.chat.completions.create(stream=True, **kw):
+        reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+        calls += chunk.choices[0].delta.tool_calls or []
+    assert reasoning == "read it" and [c.function.name for c in calls] == ["ls"]

@@ -72,7 +72,10 @@ def continue_final(rendered: str, messages: list[Message]) -> str:
         raise RequestError("only an assistant's final message can be continued",
                            param="messages")
     text = message_text(last).strip()
-    at = rendered.rfind(text) if text else -1
+    if not text:
+        raise RequestError("the final assistant message has no text to continue",
+                           param="messages")
+    at = rendered.rfind(text)
     if at < 0:
         raise RequestError("the chat template does not render the final assistant message's "
                            "text as it is: it cannot be continued", param="messages")

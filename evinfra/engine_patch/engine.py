@@ -161,15 +161,15 @@ class EnginePatch:
         try:
             msg = json.loads(payload)
             kind = msg.get("kind")
-            if kind == "kv_resync":
-                self.kv_resync()
-                return
-            if kind != "hints":
+            if kind not in ("hints", "kv_resync"):
                 raise WireError(f"unknown control message {kind!r}")
-            hints = msgspec.convert(msg.get("body"), CountHints)
+            hints = msgspec.convert(msg.get("body"), CountHints) if kind == "hints" else None
         except (ValueError, msgspec.ValidationError, TypeError, AttributeError) as exc:
             self.hints_rejected += 1
             log.warning("evinfra control message dropped: %s", exc)
+            return
+        if hints is None:
+            self.kv_resync()
             return
         self.hints_received += 1
         if self.counts is not None:
@@ -181,7 +181,11 @@ class EnginePatch:
         if not tree_ops.can_republish(self.scheduler.tree_cache):
             log.warning("evinfra kv resync asked of an engine that cannot republish its cache")
             return
-        pages = tree_ops.republish(self.scheduler.tree_cache)
+        try:
+            pages = tree_ops.republish(self.scheduler.tree_cache)
+        except Exception:  # noqa: BLE001 - the control plane undercounts the node, no worse
+            log.exception("evinfra kv resync failed")
+            return
         self.kv_resyncs += 1
         log.info("evinfra kv resync: %d pages republished (device and host)", pages)
 

@@ -28,6 +28,8 @@ def test_the_rendered_conversation_stops_after_the_final_text(tmp_path):
     assert continue_final(closed, echo).endswith("<|im_start|>assistant\n  The sum is")
     with pytest.raises(RequestError, match="only an assistant's final message"):
         continue_final(closed, CHAT[:1])
+    with pytest.raises(RequestError, match="no text to continue"):
+        continue_final(closed, [CHAT[0], {"role": "assistant", "content": " "}])
     silent = hf(tmp_path, "{% for m in messages %}<|{{ m.role }}|>{% endfor %}")
     with pytest.raises(RequestError, match="does not render the final assistant message"):
         continue_final(silent.apply_chat_template(CHAT, add_generation_prompt=False), CHAT)

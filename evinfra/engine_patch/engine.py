@@ -192,24 +192,23 @@ class EnginePatch:
     # -- forward passes --------------------------------------------------------------------
 
     def on_batch_done(self, batch: Any, result: Any) -> None:
-        """Record a forward pass once its result is processed: from its launch (SGLang's
-        ``launch_ts``) to now. A decode pass with speculative decoding feeds each request
-        its draft tokens and accepts the correct ones plus one."""
+        """Record a forward pass once its result is processed, launched at SGLang's
+        ``launch_ts`` (``iterations`` times it). A decode pass with speculative decoding
+        feeds each request its draft tokens and accepts the correct ones plus one."""
         launched = getattr(batch, "launch_ts", None)
         if launched is None:
             return
-        duration = time.monotonic() - launched
-        start = time.time() - duration
+        done, wall = time.monotonic(), time.time()
         mode = batch.forward_mode
         if mode.is_extend():
-            self.iterations.prefill(start, duration, [
+            self.iterations.prefill(launched, done, wall, [
                 (req.rid, int(t_uc), int(t_c), int(req.host_loaded_length))
                 for req, t_uc, t_c in zip(batch.reqs, batch.extend_lens, batch.prefix_lens)])
         elif mode.is_decode():
             n = len(batch.reqs)
             drafts = getattr(result, "num_correct_drafts", 0) or 0
             t_fwd = getattr(result, "speculative_num_draft_tokens", None) or 1
-            self.iterations.decode(start, duration, n, t_fwd, n + drafts)
+            self.iterations.decode(launched, done, wall, n, t_fwd, n + drafts)
 
     # -- every loop iteration ------------------------------------------------------------
 

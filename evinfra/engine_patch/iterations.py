@@ -7,6 +7,12 @@ overlapping prefills, so on a busy engine the driver could attribute almost none
 scheduler hook gives each pass to :class:`IterationRecorder` as it is processed; the driver
 reads the ones it has not seen (``GET /evinfra/iterations?after=N``).
 
+A pass's time runs from its launch to its result processed, but no earlier than the previous
+pass's result: with overlap scheduling SGLang launches a pass before it processes the
+previous one's result, and the two would share that time (counted twice, a decode pass would
+look up to twice as long). Without overlap a pass is launched after the previous result, and
+its time is its launch to its result.
+
 ``t_rst`` is what SGLang loaded from host memory at the request's admission
 (``host_loaded_length``), charged to its first chunk only: a request in the previous prefill
 pass is a continuation (chunked prefill runs a request's chunks in consecutive passes), as
@@ -32,23 +38,28 @@ class IterationRecorder:
         self._ring: deque[IterationRecord] = deque(maxlen=capacity)
         self.last = -1
         self._previous: frozenset[str] = frozenset()
+        self._done = float("-inf")  # when the previous pass's result was processed
 
-    def prefill(self, start: float, duration: float,
+    def prefill(self, launched: float, done: float, wall: float,
                 items: Sequence[tuple[str, int, int, int]]) -> None:
-        """``items``: ``(rid, t_uc, t_c, loaded)`` per request, ``loaded`` its admission's
-        host load (charged unless the request continues from the previous prefill pass)."""
+        """A prefill pass launched at ``launched`` and processed at ``done`` (a monotonic
+        clock), ``wall`` the wall clock at ``done``. ``items``: ``(rid, t_uc, t_c, loaded)``
+        per request, ``loaded`` its admission's host load (charged unless the request
+        continues from the previous prefill pass)."""
         prev = self._previous
-        self._add(start, duration, prefill=[(rid, t_uc, t_c, 0 if rid in prev else loaded)
-                                            for rid, t_uc, t_c, loaded in items])
+        self._add(launched, done, wall, prefill=[
+            (rid, t_uc, t_c, 0 if rid in prev else loaded) for rid, t_uc, t_c, loaded in items])
         self._previous = frozenset(rid for rid, *_ in items)
 
-    def decode(self, start: float, duration: float, batch: int, t_fwd: int,
+    def decode(self, launched: float, done: float, wall: float, batch: int, t_fwd: int,
                accepted: int) -> None:
-        self._add(start, duration, batch=batch, t_fwd=t_fwd, accepted=accepted)
+        self._add(launched, done, wall, batch=batch, t_fwd=t_fwd, accepted=accepted)
 
-    def _add(self, start: float, duration: float, **fields) -> None:
+    def _add(self, launched: float, done: float, wall: float, **fields) -> None:
+        duration = done - max(launched, self._done)
+        self._done = done
         self.last += 1
-        self._ring.append(IterationRecord(self.last, start, duration, **fields))
+        self._ring.append(IterationRecord(self.last, wall - duration, duration, **fields))
 
     def since(self, after: int) -> IterationLog:
         """The passes numbered above ``after`` that are still kept."""

@@ -5,7 +5,10 @@ is ``(Σt_uc, ΣA, Σt_rst)`` against its time, a decode pass its batch against 
 SGLang times passes only with CUDA events, and its cumulative counters (``/v1/loads``) merge
 overlapping prefills, so on a busy engine the driver could attribute almost none of them. The
 scheduler hook gives each pass to :class:`IterationRecorder` as it is processed; the driver
-reads the ones it has not seen (``GET /evinfra/iterations?after=N``).
+reads the ones it has not seen (``GET /evinfra/iterations?after=N``). The last 512 are kept:
+tens of seconds of decode passes on a GPU against the driver's poll every 0.5 s, and small
+enough to ride in every ``get_internal_state`` answer (the route's way to the scheduler, and
+so in ``/server_info``'s ``internal_states`` too).
 
 A pass's time runs from its launch to its result processed, but no earlier than the previous
 pass's result: with overlap scheduling SGLang launches a pass before it processes the
@@ -34,7 +37,7 @@ __all__ = ["IterationRecorder"]
 class IterationRecorder:
     """The last ``capacity`` passes, numbered from 0."""
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 512) -> None:
         self._ring: deque[IterationRecord] = deque(maxlen=capacity)
         self.last = -1
         self._previous: frozenset[str] = frozenset()

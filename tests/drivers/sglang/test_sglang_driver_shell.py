@@ -74,6 +74,7 @@ class FakeEngine:
         self.generate = None  # async handler(request, body) -> response
         self.hints = None  # async handler(request, body) -> response; the patch's route
         self.kv_resync = None  # async handler(request) -> response; the patch's route
+        self.loads = json.loads(json.dumps(LOADS))  # what /v1/loads answers
         self.passes: list[dict] = []  # the patch's iteration log (GET /evinfra/iterations)
         self.passes_asked: list[int] = []
         self.aborted: list[str] = []
@@ -96,7 +97,7 @@ class FakeEngine:
         app.router.add_get("/server_info", answer(info))
         app.router.add_get("/model_info", answer({"disaggregation_mode": self.role,
                                                   "served_model_name": "m"}))
-        app.router.add_get("/v1/loads", answer(LOADS))
+        app.router.add_get("/v1/loads", self._loads)
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/abort_request", self._abort)
         app.router.add_post("/pd_role_switch", self._switch)
@@ -116,6 +117,9 @@ class FakeEngine:
 
     async def _hints(self, request):
         return await self.hints(request, await request.json())
+
+    async def _loads(self, request):
+        return web.json_response(self.loads)
 
     async def _kv_resync(self, request):
         return await self.kv_resync(request)
@@ -564,6 +568,9 @@ async def test_a_patched_engine_s_passes_are_the_planner_s_reports(cluster):
     counters of /v1/loads are not read as well), asked for after the last one seen."""
     drivers, engines, events = cluster
     p = engines["p"]
+    moments = p.loads["loads"][0]["decode_moments"]  # 5 more decode steps by the counters
+    for i, more in ((0, 5), (1, 10), (2, 25000), (5, 10)):
+        moments[i] += more
     p.passes += [{"seq": 0, "start": 1.0, "duration": 0.25,
                   "prefill": [["r1-p1", 40, 8, 0], ["r2-p2", 12, 0, 4]]},
                  {"seq": 1, "start": 1.3, "duration": 0.02, "batch": 2, "accepted": 2}]

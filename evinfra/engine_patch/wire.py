@@ -96,10 +96,10 @@ def _decoded(decoder: msgspec.json.Decoder, body: bytes, what: str):
 
 class IterationRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     """One forward pass: ``start`` (engine wall clock, s) and ``duration`` (launch, or the
-    previous pass's result if later, to its result processed, s). A prefill (extend) pass lists ``[rid, t_uc, t_c, t_rst]`` per
-    request in ``prefill`` (tokens computed, context before them, tokens loaded from host
-    memory for it during the pass); a decode pass has ``batch`` requests fed ``t_fwd`` tokens
-    each and ``accepted`` output tokens in all."""
+    previous pass's result if later, to its result processed, s). A prefill (extend) pass
+    lists ``[rid, t_uc, t_c, t_rst]`` per request in ``prefill`` (tokens computed, context
+    before them, tokens loaded from host memory for it during the pass); a decode pass has
+    ``batch`` requests fed ``t_fwd`` tokens each and ``accepted`` output tokens in all."""
 
     seq: NonNeg
     start: float

@@ -23,7 +23,7 @@ from evinfra.experiments.common import closed, label, system
 from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
-from evinfra.sim.summary import WAIT_LABELS, Summary
+from evinfra.sim.summary import WAIT_LABELS, WAIT_NAMES, Summary
 
 __all__ = ["TITLE", "plans", "report"]
 
@@ -88,8 +88,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
               note="Models fitted on the collocated iterations before each time, evaluated "
                    "on every iteration after the warm-up."),
         Table(title="(d) Lost KV reuse (%) by the wait before the request, at 4P5D",
-              columns=["system", "first of its branch", "< 10 s", "10 s - 1 min",
-                       "1 - 10 min", ">= 10 min"], rows=d,
+              columns=["system", *WAIT_NAMES.values()], rows=d,
               note="Of the tokens an unlimited shared cache would have reused for the "
                    "requests sent after each wait (since their branch's previous answer), the "
                    "part recomputed."),

@@ -13,14 +13,10 @@ import msgspec
 import numpy as np
 
 from evinfra.sim.control import ControlSummary
-from evinfra.sim.summary import WAIT_LABELS, Summary
+from evinfra.sim.summary import WAIT_NAMES, Summary
 from evinfra.workloads import RequestRecord
 
 __all__ = ["Report", "RunInfo", "write_report"]
-
-_WAIT_NAMES = dict(zip(WAIT_LABELS, (
-    "a branch's first request", "a wait under 10 s", "a wait of 10 s to 1 min",
-    "a wait of 1 to 10 min", "a wait of 10 min or more"), strict=True))
 
 
 class RunInfo(msgspec.Struct, frozen=True):
@@ -92,7 +88,7 @@ def _markdown(r: Report, wall: float | None) -> str:
     if s.reuse_by_wait:
         lines += ["| sent after | requests | reusable tokens | lost reuse | share of lost |",
                   "|---|---|---|---|---|"]
-        for label, name in _WAIT_NAMES.items():
+        for label, name in WAIT_NAMES.items():
             x = s.reuse_by_wait.get(label)
             if x is not None:
                 lines.append(f"| {name} | {x.requests} | "

@@ -28,12 +28,17 @@ import numpy as np
 
 from evinfra.workloads import RequestRecord
 
-__all__ = ["WAITS", "WAIT_LABELS", "Latency", "Summary", "WaitReuse", "summarise"]
+__all__ = ["WAITS", "WAIT_LABELS", "WAIT_NAMES", "Latency", "Summary", "WaitReuse",
+           "summarise"]
 
 WAITS: tuple[tuple[str, float], ...] = (
     ("<10s", 10.0), ("10s-1m", 60.0), ("1-10m", 600.0), (">=10m", float("inf")))
 """Wait buckets by upper bound (seconds); a branch's first request is ``"first"``."""
 WAIT_LABELS = ("first", *(label for label, _ in WAITS))
+WAIT_NAMES = dict(zip(WAIT_LABELS, (
+    "a branch's first request", "a wait under 10 s", "a wait of 10 s to 1 min",
+    "a wait of 1 to 10 min", "a wait of 10 min or more"), strict=True))
+"""What reports call each bucket."""
 
 
 class Latency(msgspec.Struct, frozen=True):
@@ -134,14 +139,14 @@ def summarise(records: Sequence[RequestRecord], start: float, end: float) -> Sum
         ideal_hit_rate=_r(h_star), lost_kv_reuse=_r(1 - h / h_star) if h_star else 0.0,
         uncached_tokens_per_request=_r((prompt - cached) / len(ok)) if ok else 0.0,
         cached_reported=any(r.cached_tokens is not None for r in ok),
-        reuse_by_wait=_reuse_by_wait(records, ok))
+        reuse_by_wait=_reuse_by_wait(records, ok, ideal - cached))
 
 
-def _reuse_by_wait(records: Sequence[RequestRecord],
-                   ok: list[RequestRecord]) -> dict[str, WaitReuse]:
+def _reuse_by_wait(records: Sequence[RequestRecord], ok: list[RequestRecord],
+                   lost: int) -> dict[str, WaitReuse]:
     """:attr:`Summary.reuse_by_wait`. A request's wait runs from its branch's previous
     request's answer (its send, if it had none) to its own send; every record counts as a
-    previous request, warm-up and failures included."""
+    previous request, warm-up and failures included. ``lost``: the window's lost tokens."""
     wait: dict[str, str] = {}
     last: dict[str, float] = {}
     for r in sorted(records, key=lambda r: r.send_time):
@@ -155,7 +160,6 @@ def _reuse_by_wait(records: Sequence[RequestRecord],
     groups: dict[str, list[RequestRecord]] = {}
     for r in ok:
         groups.setdefault(wait[r.request_id], []).append(r)
-    lost = sum(r.ideal_cached - (r.cached_tokens or 0) for r in ok)
     out = {}
     for label, rs in groups.items():
         ideal = sum(r.ideal_cached for r in rs)

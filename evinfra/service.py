@@ -228,7 +228,7 @@ class Service:
         return len(self._flights)
 
     def constrains_output(self) -> bool:
-        """Every engine holds an output to a grammar (``Sampling.json_schema``): a request
+        """Every engine holds an output to a grammar (``Sampling.json_schema``...): a request
         may go to any of them."""
         return all(d.constrains_output for d in self.drivers.values())
 

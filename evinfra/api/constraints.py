@@ -1,5 +1,6 @@
-"""Constrained output: JSON answers and forced tool calls, as JSON schemas the engines' grammar
-holds the output to (SGLang's ``json_schema`` sampling parameter, with a grammar backend).
+"""Constrained output: JSON answers, forced tool calls, regular expressions, choices and EBNF
+grammars, as the engines' grammar backend holds an output to them (SGLang's ``json_schema``,
+``regex`` and ``ebnf`` sampling parameters; :class:`Grammar`).
 
 A JSON answer (``response_format`` / ``text.format``) is held to the request's schema, or to
 "an object", and comes back as the content. A forced tool choice (``required``, a named
@@ -10,6 +11,13 @@ grammar holds the output (SGLang launched with ``--reasoning-parser``): with the
 reasoning parser that block comes back apart, as for any answer (``serving.chat_reader``).
 Engines that cannot hold an output to a grammar (the fake engines, SGLang launched with
 ``--grammar-backend none``) are not sent such a request: it is refused.
+
+The other constraints come as SGLang's OpenAI server takes them (``regex``, ``ebnf``; and a
+completion's ``json_schema``, as text) or as vLLM's ``structured_outputs`` (``json``,
+``json_object``, ``regex``, ``grammar``, and ``choice``: one of its strings, as an EBNF
+alternation of string literals, which is how vLLM hands a choice to xgrammar). A request is
+held to one constraint; two are a 400, as in SGLang. What such an output says is the answer,
+after any reasoning block.
 """
 
 from __future__ import annotations
@@ -17,11 +25,15 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+import msgspec
+
+from evinfra.api.schemas import StructuredOutputs
 from evinfra.api.tool_calls import ToolCall
+from evinfra.drivers.base import Sampling
 from evinfra.errors import RequestError
 
-__all__ = ["ANY_OBJECT", "ForcedCalls", "check_served", "json_schema", "output_schema",
-           "tools_schema"]
+__all__ = ["ANY_OBJECT", "ForcedCalls", "Grammar", "check_served", "engine_grammars",
+           "json_schema", "one_grammar", "output_schema", "tools_schema"]
 
 ANY_OBJECT = '{"type": "object"}'
 """The schema of a JSON answer with no schema of its own (``json_object``)."""
@@ -78,6 +90,97 @@ def output_schema(tools: list[dict] | None, forced: bool, tool: str | None, para
     if schema is None:
         raise RequestError(f"a json_schema {fmt_param} needs its schema", param=schema_param)
     return json_schema(schema, schema_param), False
+
+
+class Grammar(msgspec.Struct, frozen=True):
+    """What holds a request's output: one of SGLang's ``json_schema`` (JSON text), ``regex``
+    and ``ebnf``. ``what`` and ``param`` name it in a refusal."""
+
+    what: str
+    param: str
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def hold(self, sampling: Sampling) -> Sampling:
+        """``sampling`` with this grammar."""
+        return msgspec.structs.replace(sampling, json_schema=self.json_schema,
+                                       regex=self.regex, ebnf=self.ebnf)
+
+
+def _text(value: str, what: str, param: str) -> str:
+    if not value:
+        raise RequestError(f"{what} must not be empty", param=param)
+    return value
+
+
+def _loaded(text: str, param: str) -> object:
+    """A schema given as JSON text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise RequestError(f"{param} must be a JSON schema's text", param=param) from None
+
+
+def _choice_grammar(choice: list[str], param: str) -> str:
+    """``choice`` as an EBNF grammar: the output is one of the strings, whole. JSON's string
+    escapes are the grammar's (quotes, backslashes, control characters)."""
+    if not choice:
+        raise RequestError("a choice needs at least one string", param=param)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
+
+
+def _structured(so: StructuredOutputs) -> list[Grammar]:
+    """vLLM's ``structured_outputs``, each constraint it gives."""
+    p = "structured_outputs"
+    if so.structural_tag is not None:
+        raise RequestError("structured_outputs.structural_tag is not supported: use json, "
+                           "regex, choice or grammar", param=f"{p}.structural_tag")
+    out = []
+    if so.json is not None:
+        schema = so.json
+        out.append(Grammar("a JSON schema", f"{p}.json", json_schema=json_schema(
+            _loaded(schema, f"{p}.json") if isinstance(schema, str) else schema, f"{p}.json")))
+    if so.json_object:
+        out.append(Grammar("a JSON object", f"{p}.json_object", json_schema=ANY_OBJECT))
+    if so.regex is not None:
+        out.append(Grammar("a regex", f"{p}.regex",
+                           regex=_text(so.regex, "a regex", f"{p}.regex")))
+    if so.choice is not None:
+        out.append(Grammar("a choice", f"{p}.choice",
+                           ebnf=_choice_grammar(so.choice, f"{p}.choice")))
+    if so.grammar is not None:
+        out.append(Grammar("a grammar", f"{p}.grammar",
+                           ebnf=_text(so.grammar, "a grammar", f"{p}.grammar")))
+    return out
+
+
+def engine_grammars(schema: str | None, regex: str | None, ebnf: str | None,
+                    structured: StructuredOutputs | None) -> list[Grammar]:
+    """The constraints a request gives as SGLang's fields (a completion's ``json_schema``
+    text, ``regex``, ``ebnf``) and vLLM's ``structured_outputs``."""
+    out = []
+    if schema is not None:
+        out.append(Grammar("a JSON schema", "json_schema",
+                           json_schema=json_schema(_loaded(schema, "json_schema"),
+                                                   "json_schema")))
+    if regex is not None:
+        out.append(Grammar("a regex", "regex", regex=_text(regex, "a regex", "regex")))
+    if ebnf is not None:
+        out.append(Grammar("an EBNF grammar", "ebnf",
+                           ebnf=_text(ebnf, "an EBNF grammar", "ebnf")))
+    if structured is not None:
+        out += _structured(structured)
+    return out
+
+
+def one_grammar(given: list[Grammar]) -> Grammar | None:
+    """The one constraint of a request (None: free text); two cannot both hold it."""
+    if len(given) > 1:
+        a, b = given[:2]
+        raise RequestError(f"{a.what} ({a.param}) and {b.what} ({b.param}) cannot both "
+                           "hold the output", param=b.param)
+    return given[0] if given else None
 
 
 def check_served(constrains: bool, what: str, param: str) -> None:

@@ -23,7 +23,8 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from evinfra.api.constraints import check_served, output_schema
+from evinfra.api.constraints import (Grammar, check_served, engine_grammars, one_grammar,
+                                     output_schema)
 from evinfra.api.logprobs import LogprobReader, top_logprobs
 from evinfra.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, ToolChoice, decode_body)
@@ -139,15 +140,24 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def _constraint(body: ChatCompletionRequest, tools: list[dict] | None) -> tuple[str | None, bool]:
-    """:func:`~evinfra.api.constraints.output_schema` of a chat request."""
+def _chat_grammar(body: ChatCompletionRequest, tools: list[dict] | None
+                  ) -> tuple[Grammar | None, bool]:
+    """What holds a chat request's output (None: nothing), and whether it is a forced tool
+    choice's calls: :func:`~evinfra.api.constraints.output_schema` and the engines' own
+    constraints."""
     choice, fmt = body.tool_choice, body.response_format
-    return output_schema(
+    schema, forced = output_schema(
         tools, choice not in (None, "none", "auto"),
         choice.function.name if isinstance(choice, ToolChoice) else None,
         body.parallel_tool_calls, fmt.type if fmt is not None else None,
         fmt.json_schema.schema if fmt is not None and fmt.json_schema is not None else None,
         "response_format", "response_format.json_schema.schema")
+    given = engine_grammars(None, body.regex, body.ebnf, body.structured_outputs)
+    if schema is not None:
+        given.insert(0, Grammar("a forced tool choice", "tool_choice", json_schema=schema)
+                     if forced else Grammar("a JSON response_format", "response_format",
+                                            json_schema=schema))
+    return one_grammar(given), forced
 
 
 def _call_id() -> str:
@@ -214,47 +224,52 @@ class OpenAIRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)
         tools = body.template_tools()
-        schema, forced = _constraint(body, tools)
-        if schema is not None:
-            check_served(self.service.constrains_output(),
-                         "a forced tool choice" if forced else "a JSON response_format",
-                         "tool_choice" if forced else "response_format")
+        grammar, forced = _chat_grammar(body, tools)
+        self._check_grammar(grammar)
         prompt = _chat_prompt(body, tools, self.tok)
         continued = message_text(body.messages[-1]) if body.continue_final_message else None
-        reader = chat_reader(self.model, prompt, tools if schema is None else None,
+        reader = chat_reader(self.model, prompt, tools if grammar is None else None,
                              body.parallel_tool_calls, _call_id, forced, continued)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._serve(request, body, [self.tok.encode(prompt)], max_tokens,
-                                 chat=True, reader=reader, schema=schema)
+                                 chat=True, reader=reader, grammar=grammar)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
+        grammar = one_grammar(engine_grammars(body.json_schema, body.regex, body.ebnf,
+                                              body.structured_outputs))
+        self._check_grammar(grammar)
         prompts = _prompts(body)
         candidates = _candidates(body, len(prompts))
         tokens = [_prompt_tokens(p, self.tok) for p in prompts]
         return await self._serve(request, body, tokens, body.max_tokens, chat=False,
-                                 candidates=candidates,
+                                 grammar=grammar, candidates=candidates,
                                  echoes=[_echo(body, p, t, self.tok)
                                          for p, t in zip(prompts, tokens)])
 
+    def _check_grammar(self, grammar: Grammar | None) -> None:
+        if grammar is not None:
+            check_served(self.service.constrains_output(), grammar.what, grammar.param)
+
     def _check(self, body: ChatCompletionRequest | CompletionRequest, tokens: np.ndarray,
-               max_tokens: int | None, chat: bool, schema: str | None) -> Sampling:
+               max_tokens: int | None, chat: bool, grammar: Grammar | None) -> Sampling:
         check_model(self.model, body.model)
         if body.top_k == 0 or body.top_k < -1:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
         max_tokens = max_tokens_for(self.model, tokens, max_tokens)
         stop_ids = list(self.tok.eos_token_ids)
         k = _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs")
-        return Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos, stop_ids,
-                        body.seed, body.top_k, body.min_p, body.frequency_penalty,
-                        body.presence_penalty, body.repetition_penalty, k,
-                        _logit_bias(body.logit_bias), schema,
-                        prompt_logprobs=not chat and body.echo and k is not None)
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos,
+                            stop_ids, body.seed, body.top_k, body.min_p,
+                            body.frequency_penalty, body.presence_penalty,
+                            body.repetition_penalty, k, _logit_bias(body.logit_bias),
+                            prompt_logprobs=not chat and body.echo and k is not None)
+        return grammar.hold(sampling) if grammar is not None else sampling
 
     async def _serve(self, request: web.Request, body, prompts: list[np.ndarray],
                      max_tokens: int | None, *, chat: bool,
                      reader: Callable[[], ChatOutput] | None = None,
-                     schema: str | None = None, candidates: int | None = None,
+                     grammar: Grammar | None = None, candidates: int | None = None,
                      echoes: Sequence[str] = ("",)) -> web.StreamResponse:
         """``reader`` makes how a chat output is read (None: all content), one per choice.
         A completion samples ``candidates`` choices per prompt (``best_of``; None: ``n``)
@@ -268,7 +283,7 @@ class OpenAIRoutes:
         all at once would prefill the prompt ``n`` times. A batch of prompts is served as
         that many such requests at once, each prompt's choices after the previous prompt's;
         it carries no branch hint (a branch runs one request at a time)."""
-        samplings = [self._check(body, t, max_tokens, chat, schema) for t in prompts]
+        samplings = [self._check(body, t, max_tokens, chat, grammar) for t in prompts]
         hints = read_hints(request, body.evinfra)
         if len(prompts) > 1 and (hints.branch_id or hints.parent_branch_id or hints.final):
             raise RequestError("a batch of prompts carries no branch hints: send a branch's "

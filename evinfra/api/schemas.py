@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 __all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "ResponseFormat",
-           "SplitRequest", "ToolChoice", "decode_body"]
+           "SplitRequest", "StructuredOutputs", "ToolChoice", "decode_body"]
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -39,6 +39,20 @@ class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True):
+    """vLLM's ``structured_outputs``: what holds the output, one of ``json`` (a schema, or
+    its JSON text), ``json_object``, ``regex``, ``choice`` (one of these strings) and
+    ``grammar`` (EBNF). vLLM's tuning options (``disable_any_whitespace``...) are the
+    engines' launch flags here and are ignored; ``structural_tag`` is refused."""
+
+    json: dict[str, object] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: object | None = None
 
 
 class _Common(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +81,11 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     return_token_ids: bool = False
     """Add the output token ids to each choice (``token_ids``), as vLLM does: a replay client
     needs them to build the next prompt exactly."""
+    regex: str | None = None
+    """SGLang's: the output matches this regular expression (``constraints.py``)."""
+    ebnf: str | None = None
+    """SGLang's: the output is a sentence of this EBNF grammar (xgrammar's dialect)."""
+    structured_outputs: StructuredOutputs | None = None
 
 
 class FunctionDef(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -148,6 +167,8 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     echo: bool = False
     """Each choice's text starts with the prompt's; with ``logprobs``, its log-probabilities
     start with the prompt's tokens' (the first's null), which the prefill engine reports."""
+    json_schema: str | None = None
+    """SGLang's: the output is JSON this schema (JSON text) holds."""
     best_of: Choices | None = None
     """Candidates sampled (at least ``n``; ``n`` when not given), of which the ``n`` with the
     highest log-probability per token are returned; more than ``n`` cannot be streamed."""

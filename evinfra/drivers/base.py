@@ -53,7 +53,12 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     """Token id -> bias added to its logit."""
     json_schema: str | None = None
     """The output is JSON that this schema (JSON text) holds: the engine's grammar keeps
-    it so (only sent to engines whose ``constrains_output``)."""
+    it so (only sent to engines whose ``constrains_output``; so are ``regex``, ``ebnf``). At
+    most one of the three is set."""
+    regex: str | None = None
+    """The output matches this regular expression."""
+    ebnf: str | None = None
+    """The output is a sentence of this EBNF grammar (xgrammar's dialect, as SGLang's)."""
     prompt_logprobs: bool = False
     """With ``logprobs``: the same for each prompt token but the first
     (``PrefillDone.prompt_logprobs``). The engine computes the whole prompt for them (it
@@ -102,7 +107,8 @@ class EngineDriver(Protocol):
 
     @property
     def constrains_output(self) -> bool:
-        """The engine holds an output to a grammar (``Sampling.json_schema``)."""
+        """The engine holds an output to a grammar (``Sampling.json_schema``, ``regex``,
+        ``ebnf``)."""
 
     async def start(self) -> None:
         """Connect (or launch) and begin publishing the engine's events on the bus."""

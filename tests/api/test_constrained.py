@@ -186,3 +186,94 @@ async def test_a_thinking_model_may_reason_before_the_grammar_holds_it(
         reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
         calls += chunk.choices[0].delta.tool_calls or []
     assert reasoning == "read it" and [c.function.name for c in calls] == ["ls"]
+
+
+def grammars(submitted: list) -> list:
+    """Each submission's constraint as SGLang's sampling parameters name it."""
+    out = []
+    for s in submitted:
+        given = {k: getattr(s.sampling, k) for k in ("json_schema", "regex", "ebnf")
+                 if getattr(s.sampling, k) is not None}
+        out.append(given)
+    return out
+
+
+async def test_regex_choice_and_grammar_constraints(client, grammar, monkeypatch):
+    """SGLang's ``regex`` and ``ebnf`` and vLLM's ``structured_outputs`` reach the engines as
+    their grammar's parameters; a choice is an EBNF alternation of its strings (quotes and
+    backslashes escaped). The output is the answer, tools or not."""
+    oa = openai_client(client)
+    model_says(monkeypatch, "2026-12-01")
+    kw = dict(model="evinfra-fake", messages=MESSAGES, max_tokens=20)
+    r = await oa.chat.completions.create(**kw, extra_body={"regex": r"\d{4}-\d\d-\d\d"})
+    assert r.choices[0].message.content == "2026-12-01"
+    # With tools the template shows, a grammar's output is still all answer.
+    model_says(monkeypatch, '<tool_call>{"name": "ls", "arguments": {}}</tool_call>')
+    r = await oa.chat.completions.create(**kw, tools=TOOLS,
+                                         extra_body={"ebnf": 'root ::= "<tool_call>" [^<]*'})
+    m = r.choices[0].message
+    assert m.tool_calls is None and m.content.startswith("<tool_call>")
+    for so in ({"choice": ["yes", 'say "no"', "a\\b"]}, {"regex": "[a-z]+"},
+               {"grammar": 'root ::= "x"'}, {"json": SCHEMA}, {"json": json.dumps(SCHEMA)},
+               {"json_object": True}):
+        await oa.chat.completions.create(**kw, extra_body={"structured_outputs": so})
+    # Completions take them too, and SGLang's json_schema text.
+    await oa.completions.create(model="evinfra-fake", prompt="Date:", max_tokens=12,
+                                extra_body={"regex": r"\d+"})
+    await oa.completions.create(model="evinfra-fake", prompt="Is it?", max_tokens=4,
+                                extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    await oa.completions.create(model="evinfra-fake", prompt="{", max_tokens=12,
+                                extra_body={"json_schema": json.dumps(SCHEMA)})
+    assert grammars(grammar) == [
+        {"regex": r"\d{4}-\d\d-\d\d"}, {"ebnf": 'root ::= "<tool_call>" [^<]*'},
+        {"ebnf": 'root ::= "yes" | "say \\"no\\"" | "a\\\\b"'}, {"regex": "[a-z]+"},
+        {"ebnf": 'root ::= "x"'}, {"json_schema": json.dumps(SCHEMA)},
+        {"json_schema": json.dumps(SCHEMA)}, {"json_schema": '{"type": "object"}'},
+        {"regex": r"\d+"}, {"ebnf": 'root ::= "yes" | "no"'},
+        {"json_schema": json.dumps(SCHEMA)}]
+
+
+@pytest.mark.parametrize("config_overrides", [{"model": {"reasoning_parser": "think"}}])
+async def test_a_regex_answer_after_reasoning(client, grammar, monkeypatch, config_overrides):
+    model_says(monkeypatch, "<think>count</think>42")
+    r = await openai_client(client).chat.completions.create(
+        model="evinfra-fake", messages=MESSAGES, max_tokens=20, extra_body={"regex": r"\d+"})
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content) == ("count", "42")
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    (CHAT, {"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf"),
+    (CHAT, {"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
+    (CHAT, {"tools": TOOLS, "tool_choice": "required",
+            "structured_outputs": {"choice": ["a"]}}, "structured_outputs.choice"),
+    (CHAT, {"structured_outputs": {"regex": "a", "grammar": 'root ::= "a"'}},
+     "structured_outputs.grammar"),
+    (CHAT, {"regex": ""}, "regex"),
+    (CHAT, {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    (CHAT, {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    (CHAT, {"structured_outputs": {"json": 3}}, "structured_outputs.json"),
+    (CHAT, {"structured_outputs": {"structural_tag": "{}"}},
+     "structured_outputs.structural_tag"),
+    ("/v1/completions", {"json_schema": "[1, 2"}, "json_schema"),
+    ("/v1/completions", {"json_schema": "{}", "regex": "a"}, "regex"),
+])
+async def test_two_constraints_or_a_bad_one_are_400s(client, grammar, path, fields, param):
+    prompt = {"messages": MESSAGES} if path == CHAT else {"prompt": "x"}
+    r = await client.post(path, data=body(model="evinfra-fake", max_tokens=4, **prompt,
+                                          **fields))
+    assert r.status == 400, await r.text()
+    assert (await r.json())["error"]["param"] == param
+    assert not grammar
+
+
+async def test_engine_constraints_refused_by_engines_without_a_grammar(client):
+    for path, prompt, fields, param in (
+            (CHAT, {"messages": MESSAGES}, {"regex": "a"}, "regex"),
+            ("/v1/completions", {"prompt": "x"}, {"structured_outputs": {"choice": ["a"]}},
+             "structured_outputs.choice")):
+        r = await client.post(path, data=body(model="evinfra-fake", max_tokens=4, **prompt,
+                                              **fields))
+        assert r.status == 400
+        err = (await r.json())["error"]
+        assert err["param"] == param and "constrained decoding" in err["message"]

@@ -236,6 +236,29 @@ def test_constrained_output(client):
     assert "refused the request" in str(e.value) and "nonsense" in str(e.value)
 
 
+def test_regex_choice_and_grammar(client):
+    """SGLang's regex and EBNF and vLLM's choice hold even the dummy weights' output; a regex
+    the grammar cannot compile is the engines' refusal, a 400."""
+    import re
+
+    from openai import BadRequestError
+
+    msgs = [{"role": "user", "content": "When?"}]
+    kw = dict(model=SERVED_NAME, messages=msgs, max_tokens=16, temperature=1.0, seed=5)
+    r = client.chat.completions.create(**kw, extra_body={"regex": r"20[0-9]{2}-[01][0-9]"})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]", r.choices[0].message.content)
+    choices = ["yes", 'say "no"']
+    r = client.chat.completions.create(**kw, extra_body={
+        "structured_outputs": {"choice": choices}})
+    assert r.choices[0].message.content in choices
+    r = client.completions.create(model=SERVED_NAME, prompt="Pick:", max_tokens=16, seed=5,
+                                  extra_body={"ebnf": 'root ::= ("ab" | "cd") ("!" | "?")'})
+    assert re.fullmatch(r"(ab|cd)[!?]", r.choices[0].text)
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"regex": "(unclosed"})
+    assert "refused the request" in str(e.value)
+
+
 def test_logit_bias(client):
     """A bias of 100 on one token makes it every output token (the engines apply it)."""
     r = client.completions.create(model=SERVED_NAME, prompt="The router", max_tokens=5,

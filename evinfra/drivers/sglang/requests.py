@@ -51,8 +51,9 @@ def sampling_params(s: Sampling) -> dict[str, Any]:
         p["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
         p["sampling_seed"] = s.seed
-    if s.json_schema is not None:
-        p["json_schema"] = s.json_schema
+    for name in ("json_schema", "regex", "ebnf"):
+        if (v := getattr(s, name)) is not None:
+            p[name] = v
     if s.logit_bias:
         p["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
     # The rest only when asked for: SGLang's defaults are the same "off" values.

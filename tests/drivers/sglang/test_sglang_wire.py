@@ -188,13 +188,17 @@ def test_stream_lines_and_cumulative_or_incremental_outputs():
             (([1], 1), ([2], 2), ([3, 4], 4))] == [[1], [2], [3, 4]]
 
 
-def test_logprobs_and_a_schema_are_asked_for_and_logprobs_read_in_either_mode():
+def test_logprobs_and_a_grammar_are_asked_for_and_logprobs_read_in_either_mode():
     s = Sampling(max_tokens=8, logprobs=2, json_schema='{"type": "object"}')
     body = generate_body([1], s, "r", Bootstrap("h", 1, 2))
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
     assert body["sampling_params"]["json_schema"] == '{"type": "object"}'
     assert "return_logprob" not in generate_body([1], Sampling(max_tokens=8), "r",
                                                  Bootstrap("h", 1, 2))
+    for name in ("regex", "ebnf"):
+        params = generate_body([1], Sampling(max_tokens=8, **{name: "x"}), "r",
+                               Bootstrap("h", 1, 2))["sampling_params"]
+        assert params[name] == "x" and "json_schema" not in params
     # SGLang's entries are (logprob, id, text); a position without alternatives is null.
     line = (b'data: {"output_ids":[7,9],"meta_info":{"completion_tokens":2,'
             b'"output_token_logprobs":[[-0.5,7,null],[-1.25,9,null]],'

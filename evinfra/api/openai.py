@@ -257,12 +257,16 @@ class OpenAIRoutes:
         if body.top_k == 0 or body.top_k < -1:
             raise RequestError("top_k must be -1 (no limit) or at least 1", param="top_k")
         max_tokens = max_tokens_for(self.model, tokens, max_tokens)
+        if body.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({body.min_tokens}) must not exceed max_tokens "
+                               f"({max_tokens})", param="min_tokens")
         stop_ids = list(self.tok.eos_token_ids)
         k = _logprobs(body) if chat else top_logprobs(body.logprobs, "logprobs")
         sampling = Sampling(max_tokens, body.temperature, body.top_p, body.ignore_eos,
                             stop_ids, body.seed, body.top_k, body.min_p,
                             body.frequency_penalty, body.presence_penalty,
                             body.repetition_penalty, k, _logit_bias(body.logit_bias),
+                            min_tokens=body.min_tokens,
                             prompt_logprobs=not chat and body.echo and k is not None)
         return grammar.hold(sampling) if grammar is not None else sampling
 
@@ -326,7 +330,7 @@ class OpenAIRoutes:
         stops = stop_strings(body.stop)
         streams = [outputs(self.service, self.tok, s, stops,
                            fork(s.index // count) if s.index % count == 0 and count > 1
-                           else None)
+                           else None, body.min_tokens)
                    for s in samples]
         try:
             prompt = sum(int(t.size) for t in prompts)

@@ -242,19 +242,25 @@ class Sample:
 
 
 async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[str],
-                  started: Callable[[], None] | None = None):
+                  started: Callable[[], None] | None = None, min_tokens: int = 0):
     """Yields ``("text", delta, ids)`` then ``("done", finish, ids)``, ``ids`` the output
     token ids not yielded before; raises the request's error. At the end ``sample`` has
     the request's record and all its output ids. ``started`` is called when the first
     output arrives.
 
     Text that may begin a stop string is held back until the next delta says whether it
-    does (a stop string often spans tokens): none of a matched stop string is sent."""
+    does (a stop string often spans tokens): none of a matched stop string is sent. As in
+    SGLang and vLLM, nothing stops an output before its ``min_tokens``: a stop string counts
+    only if it ends in the text of the ``min_tokens``-th token or later (the engine holds
+    back stop tokens until then)."""
     rid, queue = sample.rid, sample.channel.queue
     detok = Detokenizer(tok)
     sample.ids = detok.ids
     held = ""
     sent = 0
+    # Text so far, and how much of it the first min_tokens - 1 tokens wrote: a stop string
+    # must end past that.
+    total = floor = 0
 
     def new_ids() -> list[int]:
         nonlocal sent
@@ -267,10 +273,21 @@ async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[
             started()
             started = None
         if isinstance(item, list):
-            delta = detok.add(item)
+            cut = min_tokens - 1 - len(detok.ids)  # tokens of this item before the floor
+            if 0 < cut < len(item):
+                head = detok.add(item[:cut])
+                floor = total + len(head)
+                delta = head + detok.add(item[cut:])
+            else:
+                delta = detok.add(item)
+                if cut >= len(item):
+                    floor = total + len(delta)
+            total += len(delta)
             if stops and delta:
                 window = held + delta
-                hits = [(i, s) for i, s in ((window.find(s), s) for s in stops) if i >= 0]
+                at = floor - (total - len(window))  # the floor within the window
+                hits = [(i, s) for i, s in ((window.find(s, max(0, at - len(s) + 1)), s)
+                                            for s in stops) if i >= 0]
                 if hits:
                     cut, sample.stop = min(hits)
                     if cut > 0:

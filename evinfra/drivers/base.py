@@ -59,6 +59,8 @@ class Sampling(msgspec.Struct, frozen=True, gc=False):
     """The output matches this regular expression."""
     ebnf: str | None = None
     """The output is a sentence of this EBNF grammar (xgrammar's dialect, as SGLang's)."""
+    min_tokens: int = 0
+    """No stop token (EOS included) ends the output before this many tokens."""
     prompt_logprobs: bool = False
     """With ``logprobs``: the same for each prompt token but the first
     (``PrefillDone.prompt_logprobs``). The engine computes the whole prompt for them (it

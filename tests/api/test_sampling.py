@@ -61,3 +61,35 @@ async def test_bad_logit_bias_is_a_400(client, bias):
         model="evinfra-fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
         logit_bias=bias))
     assert r.status == 400 and (await r.json())["error"]["param"] == "logit_bias"
+
+
+async def test_min_tokens_reaches_the_sglang_body_and_the_fake_engines_keep_it(client,
+                                                                               service):
+    """The fake engines draw an output of at least ``min_tokens``, a stop token ending it
+    no earlier, as SGLang's ``min_new_tokens`` does."""
+    from evinfra.drivers.base import Sampling
+    from evinfra.drivers.fake.outputs import OutputPlanner
+
+    orders = spy_prefill_orders(service)
+    r = await client.post("/v1/completions", data=body(model="evinfra-fake", prompt="hi",
+                                                       max_tokens=40, min_tokens=30))
+    assert r.status == 200, await r.text()
+    assert 30 <= (await r.json())["usage"]["completion_tokens"] <= 40
+    assert sampling_params(orders[0].sampling)["min_new_tokens"] == 30
+    planner = OutputPlanner(0, (0, 4))  # four ids: stop tokens come early
+    for least in (0, 1, 7, 12):
+        lengths = {len(planner.plan(f"r{i}", Sampling(12, stop_token_ids=[1],
+                                                      min_tokens=least))[0])
+                   for i in range(50)}
+        assert min(lengths) == max(1, least)
+    for least in (0, 7):
+        lengths = {len(planner.plan(f"r{i}", Sampling(12, min_tokens=least))[0])
+                   for i in range(200)}
+        assert lengths == set(range(max(1, least), 13))
+
+
+@pytest.mark.parametrize("fields", [{"min_tokens": 9, "max_tokens": 8}, {"min_tokens": -1}])
+async def test_bad_min_tokens_is_a_400(client, fields):
+    r = await client.post("/v1/completions", data=body(model="evinfra-fake", prompt="hi",
+                                                       **{"max_tokens": 8, **fields}))
+    assert r.status == 400 and (await r.json())["error"]["param"] == "min_tokens"

@@ -33,3 +33,45 @@ async def test_stop_strings_whole_and_streamed(client, monkeypatch, case):
     r = await oa.chat.completions.create(model="evinfra-fake", max_tokens=50, stop=stops,
                                          messages=[{"role": "user", "content": "x"}])
     assert r.choices[0].message.content == sent
+
+
+MIN_CASES = [  # (output, stop, min_tokens) -> text sent (each character is a token)
+    (("ENDabcEND", "END", 3), ""),  # a stop ending in the min_tokens-th token counts
+    (("ENDabcEND", "END", 4), "ENDabc"),
+    (("ENDabcEND", "END", 9), "ENDabc"),
+    (("abENDx", "END", 6), "abENDx"),
+    (("abENDx", "END", 0), "ab"),
+]
+
+
+@pytest.mark.parametrize("case", MIN_CASES, ids=[f"{c[0][0]}-{c[0][2]}" for c in MIN_CASES])
+async def test_no_stop_string_ends_an_output_before_min_tokens(client, monkeypatch, case):
+    (output, stop, least), sent = case
+    model_says(monkeypatch, output)
+    oa = openai_client(client)
+    kw = dict(model="evinfra-fake", prompt="x", max_tokens=50, stop=[stop],
+              extra_body={"min_tokens": least})
+    assert (await oa.completions.create(**kw)).choices[0].text == sent
+    parts = [c.choices[0].text async for c in await oa.completions.create(stream=True, **kw)]
+    assert "".join(parts) == sent
+
+
+@pytest.mark.parametrize("split", [None, 1, 3, 4, 5])
+async def test_min_tokens_however_the_output_arrives(split):
+    """The floor falls inside an engine's batch of tokens or between two: the same text."""
+    from evinfra.api.serving import Sample, outputs
+    from evinfra.api.tokenizer import ByteTokenizer
+
+    class Service:
+        def abort(self, rid):
+            pass
+
+    ids = list(b"ENDabcEND")
+    sample = Sample(0, "r", None)
+    for part in ([ids] if split is None else [ids[:split], ids[split:]]):
+        sample.channel.queue.put_nowait(part)
+    sample.channel.queue.put_nowait((None, None))
+    got = [item async for item in outputs(Service(), ByteTokenizer(), sample, ["END"],
+                                          min_tokens=5)]
+    assert "".join(i[1] for i in got if i[0] == "text") == "ENDabc"
+    assert got[-1][:2] == ("done", "stop") and sample.stop == "END"

@@ -267,6 +267,17 @@ def test_logit_bias(client):
     assert r.choices[0].model_extra["token_ids"] == [65] * 5
 
 
+def test_min_tokens(client):
+    """A bias of 100 on EOS (id 2) ends an output at once; with min_tokens the engines hold
+    EOS back until then (SGLang's min_new_tokens)."""
+    kw = dict(model=SERVED_NAME, prompt="The router", max_tokens=12, temperature=0,
+              logit_bias={"2": 100})
+    assert client.completions.create(**kw).usage.completion_tokens <= 1
+    r = client.completions.create(**kw, extra_body={"min_tokens": 6, "return_token_ids": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert r.choices[0].finish_reason == "stop" and 6 <= len(ids) <= 7 and 2 not in ids[:6]
+
+
 def test_anthropic_messages(serve):
     import anthropic
 

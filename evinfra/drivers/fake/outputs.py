@@ -2,10 +2,10 @@
 
 A request's output is fixed when its decode order arrives: the token ids, drawn from the
 configured vocabulary, and the finish. With ``ignore_eos`` it runs to ``max_tokens``
-("length"); otherwise it stops at a natural length drawn uniformly from ``1..max_tokens``
-("stop", or "length" when the draw is ``max_tokens``), or earlier at its first stop token.
-As in SGLang, ``ignore_eos`` also ignores ``stop_token_ids``, and a stop token is part of the
-output ids.
+("length"); otherwise it stops at a natural length drawn uniformly from
+``max(1, min_tokens)..max_tokens`` ("stop", or "length" when the draw is ``max_tokens``), or
+earlier at its first stop token from the ``min_tokens``-th on. As in SGLang, ``ignore_eos``
+also ignores ``stop_token_ids``, and a stop token is part of the output ids.
 
 Decode progress is integer arithmetic on milli-tokens, so the engine that wakes every
 iteration and the one that jumps to the next state change agree exactly.
@@ -52,7 +52,8 @@ class OutputPlanner:
         if sampling.ignore_eos:
             n, finish = max_tokens, "length"
         else:
-            n = 1 + length % max_tokens
+            least = min(max(1, sampling.min_tokens), max_tokens)
+            n = least + length % (max_tokens - least + 1)
             finish = "length" if n == max_tokens else "stop"
         if n > self.POOL:
             raise ValueError(f"{n} output tokens exceed the fake engine's pool of {self.POOL}")
@@ -62,9 +63,10 @@ class OutputPlanner:
         at += where & (self.POOL - 1)
         tokens = self.pool[at & (self.POOL - 1)]
         if not sampling.ignore_eos and sampling.stop_token_ids:
-            hits = np.flatnonzero(np.isin(tokens, sampling.stop_token_ids))
+            least = max(0, sampling.min_tokens - 1)  # the engine masks them before
+            hits = np.flatnonzero(np.isin(tokens[least:], sampling.stop_token_ids))
             if hits.size:
-                tokens, finish = tokens[:hits[0] + 1], "stop"
+                tokens, finish = tokens[:least + hits[0] + 1], "stop"
         return tokens, finish
 
     def logprobs(self, tokens: np.ndarray, k: int) -> TokenLogprobs:

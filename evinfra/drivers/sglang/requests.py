@@ -54,6 +54,8 @@ def sampling_params(s: Sampling) -> dict[str, Any]:
     for name in ("json_schema", "regex", "ebnf"):
         if (v := getattr(s, name)) is not None:
             p[name] = v
+    if s.min_tokens:
+        p["min_new_tokens"] = s.min_tokens
     if s.logit_bias:
         p["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
     # The rest only when asked for: SGLang's defaults are the same "off" values.

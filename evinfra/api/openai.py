@@ -327,10 +327,11 @@ class OpenAIRoutes:
             return echoes[p], s.logprobs.prompt(prompts[p].tolist(),
                                                 samples[p * count].channel.prompt)
 
-        stops = stop_strings(body.stop)
+        stops = stop_strings(body.stop, body.min_tokens,
+                             body.include_stop_str_in_output or body.no_stop_trim)
         streams = [outputs(self.service, self.tok, s, stops,
                            fork(s.index // count) if s.index % count == 0 and count > 1
-                           else None, body.min_tokens)
+                           else None)
                    for s in samples]
         try:
             prompt = sum(int(t.size) for t in prompts)

@@ -36,8 +36,8 @@ from evinfra.api.constraints import check_served, output_schema
 from evinfra.api.logprobs import top_logprobs
 from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
 from evinfra.api.response_store import ResponseStore, Stored
-from evinfra.api.serving import (Sample, chat_reader, check_model, joined_text, max_tokens_for,
-                                 read_hints, sse_event, submit_one)
+from evinfra.api.serving import (Sample, Stops, chat_reader, check_model, joined_text,
+                                 max_tokens_for, read_hints, sse_event, submit_one)
 from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -389,7 +389,7 @@ class ResponsesRoutes:
         if chained:
             hints = self.store.hints(previous)  # the chain's branch (none to start)
         sample, stream = submit_one(self.service, self.tok, request, hints, tokens,
-                                    sampling, rid, reader, [])
+                                    sampling, rid, reader, Stops([]))
         if chained and hints.branch_id is not None:
             self.store.claim(hints.branch_id, rid)  # submitted: no await since hints()
         answer = _Answer(self, body, sample, int(tokens.size))

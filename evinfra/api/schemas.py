@@ -65,6 +65,9 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     n: Choices = 1
     """Choices sampled from the prompt; 1 to ``n - 1`` are forks of the request's branch."""
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    """vLLM's (SGLang's ``no_stop_trim``): a matched stop string stays in the output."""
+    no_stop_trim: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """SGLang's and vLLM's: no EOS, stop token or stop string ends the output before this
     many tokens (at most ``max_tokens``)."""

@@ -11,7 +11,7 @@ tools, the model's calls (``tool_calls.py``).
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -34,7 +34,7 @@ from evinfra.service import Service, Submission
 
 __all__ = ["NO_IMAGES", "Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader",
            "check_model", "joined_text", "max_tokens_for", "outputs", "read_hints", "sse_event",
-           "stop_strings", "submit_one", "whole"]
+           "Stops", "stop_strings", "submit_one", "whole"]
 
 NO_IMAGES = "images are not served: the model reads text"
 
@@ -142,9 +142,22 @@ def sse_event(event: dict) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
 
-def stop_strings(stop: str | list[str] | None) -> list[str]:
+class Stops(NamedTuple):
+    """What ends an output here, besides the engine: its ``strings`` (none empty), from the
+    ``min_tokens``-th token on (as in SGLang and vLLM, nothing stops an output before: the
+    engine holds back stop tokens until then); with ``keep`` a matched string stays in the
+    output (vLLM's ``include_stop_str_in_output``, SGLang's ``no_stop_trim``)."""
+
+    strings: list[str]
+    min_tokens: int = 0
+    keep: bool = False
+
+
+def stop_strings(stop: str | list[str] | None, min_tokens: int = 0, keep: bool = False
+                 ) -> Stops:
     """An empty stop string would match before any output: it asks for nothing."""
-    return [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]
+    return Stops([s for s in ([stop] if isinstance(stop, str) else stop or []) if s],
+                 min_tokens, keep)
 
 
 class ChatOutput:
@@ -241,19 +254,19 @@ class Sample:
         return self.channel.logprobs
 
 
-async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[str],
-                  started: Callable[[], None] | None = None, min_tokens: int = 0):
+async def outputs(service: Service, tok: Tokenizer, sample: Sample, rule: Stops,
+                  started: Callable[[], None] | None = None):
     """Yields ``("text", delta, ids)`` then ``("done", finish, ids)``, ``ids`` the output
     token ids not yielded before; raises the request's error. At the end ``sample`` has
     the request's record and all its output ids. ``started`` is called when the first
     output arrives.
 
     Text that may begin a stop string is held back until the next delta says whether it
-    does (a stop string often spans tokens): none of a matched stop string is sent. As in
-    SGLang and vLLM, nothing stops an output before its ``min_tokens``: a stop string counts
-    only if it ends in the text of the ``min_tokens``-th token or later (the engine holds
-    back stop tokens until then)."""
+    does (a stop string often spans tokens): none of a matched stop string is sent unless
+    the rule keeps it. A stop string counts only if it ends in the text of the rule's
+    ``min_tokens``-th token or later."""
     rid, queue = sample.rid, sample.channel.queue
+    stops, min_tokens = rule.strings, rule.min_tokens
     detok = Detokenizer(tok)
     sample.ids = detok.ids
     held = ""
@@ -290,6 +303,8 @@ async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[
                                             for s in stops) if i >= 0]
                 if hits:
                     cut, sample.stop = min(hits)
+                    if rule.keep:
+                        cut += len(sample.stop)
                     if cut > 0:
                         yield "text", window[:cut], new_ids()
                     service.abort(rid)  # its record arrives synchronously
@@ -316,7 +331,7 @@ async def outputs(service: Service, tok: Tokenizer, sample: Sample, stops: list[
 
 def submit_one(service: Service, tok: Tokenizer, request: web.Request,
                hints: AgentHints | None, tokens: np.ndarray, sampling: Sampling, rid: str,
-               reader: Callable[[], ChatOutput] | None, stops: list[str]):
+               reader: Callable[[], ChatOutput] | None, stops: Stops):
     """Submit a request of one choice with the agent hints of its headers and ``hints``
     (its body's); returns its :class:`Sample` and :func:`outputs`."""
     h = read_hints(request, hints)

@@ -59,7 +59,7 @@ async def test_no_stop_string_ends_an_output_before_min_tokens(client, monkeypat
 @pytest.mark.parametrize("split", [None, 1, 3, 4, 5])
 async def test_min_tokens_however_the_output_arrives(split):
     """The floor falls inside an engine's batch of tokens or between two: the same text."""
-    from evinfra.api.serving import Sample, outputs
+    from evinfra.api.serving import Sample, Stops, outputs
     from evinfra.api.tokenizer import ByteTokenizer
 
     class Service:
@@ -71,7 +71,26 @@ async def test_min_tokens_however_the_output_arrives(split):
     for part in ([ids] if split is None else [ids[:split], ids[split:]]):
         sample.channel.queue.put_nowait(part)
     sample.channel.queue.put_nowait((None, None))
-    got = [item async for item in outputs(Service(), ByteTokenizer(), sample, ["END"],
-                                          min_tokens=5)]
+    got = [item async for item in outputs(Service(), ByteTokenizer(), sample,
+                                          Stops(["END"], 5))]
     assert "".join(i[1] for i in got if i[0] == "text") == "ENDabc"
     assert got[-1][:2] == ("done", "stop") and sample.stop == "END"
+
+
+async def test_a_kept_stop_string_stays_in_the_output(client, monkeypatch):
+    """vLLM's include_stop_str_in_output and SGLang's no_stop_trim, whole and streamed."""
+    model_says(monkeypatch, "abc</ans>more")
+    oa = openai_client(client)
+    for keep in ({"include_stop_str_in_output": True}, {"no_stop_trim": True}, {}):
+        kw = dict(model="evinfra-fake", prompt="x", max_tokens=50, stop=["</ans>"],
+                  extra_body=keep)
+        sent = "abc</ans>" if keep else "abc"
+        r = await oa.completions.create(**kw)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (sent, "stop")
+        parts = [c.choices[0].text async for c in await oa.completions.create(stream=True,
+                                                                              **kw)]
+        assert "".join(parts) == sent
+    r = await oa.chat.completions.create(model="evinfra-fake", max_tokens=50, stop="</ans>",
+                                         messages=[{"role": "user", "content": "x"}],
+                                         extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].message.content == "abc</ans>"

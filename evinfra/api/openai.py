@@ -27,7 +27,7 @@ from evinfra.api.constraints import (Grammar, check_served, engine_grammars, one
                                      output_schema)
 from evinfra.api.logprobs import LogprobReader, top_logprobs
 from evinfra.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest, ToolChoice, decode_body)
+                                 TokenizeRequest, ToolChoice, decode_body, template_kwargs)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
                                  outputs, read_hints, stop_strings, whole)
 from evinfra.api.tokenizer import Tokenizer, continue_final, message_text
@@ -93,7 +93,9 @@ def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tools: list[dict
                            "add_generation_prompt cannot open a new one",
                            param="add_generation_prompt")
     opened = not go_on if body.add_generation_prompt is None else body.add_generation_prompt
-    text = tok.apply_chat_template(body.messages, tools, body.chat_template_kwargs, opened)
+    effort = body.reasoning_effort if isinstance(body, ChatCompletionRequest) else None
+    text = tok.apply_chat_template(body.messages, tools,
+                                   template_kwargs(body.chat_template_kwargs, effort), opened)
     return continue_final(text, body.messages) if go_on else text
 
 

@@ -19,7 +19,8 @@ A forced ``tool_choice`` and a JSON ``text.format`` hold the output to a JSON sc
 Answers are stored in memory (``response_store.py``, unless ``store: false``; read back with
 ``GET /v1/responses/{id}``, ``DELETE`` to forget one): ``previous_response_id`` continues a
 stored conversation, and a chain of responses is one agent branch with no hint from the client.
-``reasoning`` and the other settings that do not change the answer are accepted and ignored.
+``reasoning.effort`` reaches the chat template as ``reasoning_effort``; the other settings
+that do not change the answer are accepted and ignored.
 Refused with a 400: images, tool types other than ``function``.
 """
 
@@ -34,7 +35,8 @@ from aiohttp import web
 
 from evinfra.api.constraints import check_served, output_schema
 from evinfra.api.logprobs import top_logprobs
-from evinfra.api.schemas import AgentHints, Temperature, TopP, decode_body
+from evinfra.api.schemas import (AgentHints, Effort, Temperature, TopP, decode_body,
+                                 template_kwargs)
 from evinfra.api.response_store import ResponseStore, Stored
 from evinfra.api.serving import (Sample, Stops, chat_reader, check_model, joined_text,
                                  max_tokens_for, read_hints, sse_event, submit_one)
@@ -107,6 +109,11 @@ class TextConfig(msgspec.Struct, frozen=True):
     format: TextFormat = TextFormat()
 
 
+class Reasoning(msgspec.Struct, frozen=True):
+    effort: Effort | None = None
+    """The chat template's ``reasoning_effort``; ``summary`` is not written (ignored)."""
+
+
 class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     input: str | list[object]
@@ -124,6 +131,7 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     text: TextConfig | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
+    reasoning: Reasoning | None = None
     evinfra: AgentHints | None = None
 
     def logprobs(self) -> int | None:
@@ -374,7 +382,9 @@ class ResponsesRoutes:
         conversation = (previous.conversation if previous is not None else []) + \
             _input_messages(body)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        prompt = self.tok.apply_chat_template(system + conversation, tools)
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        prompt = self.tok.apply_chat_template(system + conversation, tools,
+                                              template_kwargs(None, effort))
         reader = chat_reader(self.model, prompt, tools if schema is None else None,
                              body.parallel_tool_calls, _call_id, forced)
         tokens = self.tok.encode(prompt)

@@ -13,8 +13,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-__all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "ResponseFormat",
-           "SplitRequest", "StructuredOutputs", "ToolChoice", "decode_body"]
+__all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "Effort",
+           "ResponseFormat", "SplitRequest", "StructuredOutputs", "ToolChoice", "decode_body",
+           "template_kwargs"]
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -26,6 +27,18 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=2.0)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Choices = Annotated[int, msgspec.Meta(ge=1, le=128)]
 """``n``: OpenAI's range."""
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+"""OpenAI's reasoning efforts."""
+
+
+def template_kwargs(kwargs: dict[str, object] | None, effort: Effort | None
+                    ) -> dict[str, object] | None:
+    """The chat template's variables: the request's own, and its reasoning effort as
+    ``reasoning_effort`` (the variable gpt-oss's template reads, as vLLM and SGLang hand it
+    over) unless they name one."""
+    if effort is None or kwargs and "reasoning_effort" in kwargs:
+        return kwargs
+    return {**(kwargs or {}), "reasoning_effort": effort}
 
 
 class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -142,6 +155,8 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, object] | None = None
     """More variables for the model's chat template (``enable_thinking`` for Qwen3, say), as
     SGLang and vLLM accept them."""
+    reasoning_effort: Effort | None = None
+    """How long a reasoning model thinks: the template's ``reasoning_effort``."""
     add_generation_prompt: bool | None = None
     """vLLM's: open the assistant's turn after the messages (default: yes, unless
     ``continue_final_message``)."""

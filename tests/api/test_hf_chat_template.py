@@ -93,3 +93,42 @@ def test_a_template_that_trips_on_the_requests_values_is_a_400(tmp_path, extra):
     with pytest.raises(RequestError) as e:
         tok.apply_chat_template([{"role": "user", "content": "hi"}], extra=extra)
     assert e.value.message.startswith("chat template:")
+
+
+async def test_reasoning_effort_reaches_the_template(client, monkeypatch):
+    """Chat's ``reasoning_effort`` and the Responses API's ``reasoning.effort`` are the
+    template's ``reasoning_effort`` (gpt-oss's template reads it); a ``chat_template_kwargs``
+    value wins; an effort OpenAI does not name is a 400."""
+    seen = []
+    real = ByteTokenizer.apply_chat_template
+
+    def spy(self, messages, tools=None, extra=None, add_generation_prompt=True):
+        seen.append(extra)
+        return real(self, messages, tools, extra, add_generation_prompt)
+
+    monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
+    chat = {"model": "evinfra-fake", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2}
+    for extra in ({"reasoning_effort": "low"},
+                  {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "x",
+                                                                        "a": 1}},
+                  {"chat_template_kwargs": {"a": 1}}):
+        r = await client.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status == 200, await r.text()
+    r = await client.post("/v1/responses", json={"model": "evinfra-fake", "input": "hi",
+                                                  "reasoning": {"effort": "medium",
+                                                                "summary": "auto"}})
+    assert r.status == 200, await r.text()
+    assert seen == [{"reasoning_effort": "low"}, {"reasoning_effort": "x", "a": 1}, {"a": 1},
+                    {"reasoning_effort": "medium"}]
+    r = await client.post("/v1/chat/completions", json={**chat, "reasoning_effort": "max"})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "reasoning_effort"
+
+
+def test_gpt_oss_style_template_reads_the_effort(tmp_path):
+    tok = hf(tmp_path, "Reasoning: {{ reasoning_effort | default('medium') }}\n"
+                       "{{ messages[0].content }}")
+    hi = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(hi).startswith("Reasoning: medium")
+    assert tok.apply_chat_template(hi, extra={"reasoning_effort": "low"}).startswith(
+        "Reasoning: low")

@@ -724,6 +724,21 @@ class Service:
             self._apply(split, now, "forced by an operator")
         return split
 
+    def cordon(self, node: NodeId, cordoned: bool = True) -> list[RequestId]:
+        """An operator takes ``node`` out of routing for maintenance (``POST
+        /v1/evinfra/nodes/{node}/cordon``), or puts it back (``.../uncordon``). Its queued
+        requests whose prefill has not started are withdrawn and routed elsewhere; what runs
+        there finishes, and its KV stays readable by its peers. The split does not change:
+        the planner still counts the node. Returns the withdrawn requests."""
+        if node not in self.drivers:
+            raise RequestError(f"unknown node {node!r}", param="node", status=404)
+        withdrawn = self.router.cordon(node, cordoned)
+        for rid in withdrawn:
+            self.drivers[node].withdraw(rid)
+        log.info("node_cordoned" if cordoned else "node_uncordoned", node=node,
+                 withdrawn=len(withdrawn))
+        return withdrawn
+
     def _apply(self, split: Split, now: float, reason: str) -> None:
         """Switch the nodes whose phase differs (paper 4.2): stop routing their old phase,
         withdraw their queued requests, and switch each engine once it has drained."""

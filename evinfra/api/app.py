@@ -36,7 +36,7 @@ __all__ = ["build_app"]
 
 log = structlog.get_logger(__name__)
 
-_ADMIN = ("/v1/evinfra/split", "/v1/branches/")
+_ADMIN = ("/v1/evinfra/split", "/v1/evinfra/nodes/", "/v1/branches/")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _MAX_BODY = web.AppKey("max_body", int)
 _OPEN = ("/health", "/ready", "/metrics")
@@ -145,8 +145,7 @@ class _Admin:
 
     async def ready(self, request: web.Request) -> web.Response:
         s = self.service
-        phases = {s.router.phase(n) for n in s.nodes
-                  if s.router.node_view(n)["healthy"] and s.router.draining(n) is None}
+        phases = {s.router.phase(n) for n in s.nodes if s.router.routable(n)}
         ok = s.accepting and (Phase.COLLOCATED in phases
                               or {Phase.PREFILL, Phase.DECODE} <= phases)
         return web.json_response({"ready": ok}, status=200 if ok else 503)
@@ -164,6 +163,14 @@ class _Admin:
         split = self.service.force_split(body.prefill)
         return web.json_response({"split": split.label, "prefill": list(split.prefill),
                                   "decode": list(split.decode)})
+
+    async def cordon(self, request: web.Request) -> web.Response:
+        """``POST /v1/evinfra/nodes/{node}/cordon`` or ``/uncordon``; the node's view after
+        (``queued``, ``prefilling`` and ``decoding`` at 0: it is idle)."""
+        node, action = request.match_info["node"], request.match_info["action"]
+        withdrawn = self.service.cordon(node, action == "cordon")
+        return web.json_response({"node": node, **self.service.router.node_view(node),
+                                  "withdrawn": len(withdrawn)})
 
     async def end_branch(self, request: web.Request) -> web.Response:
         branch = request.match_info["branch"]
@@ -193,6 +200,7 @@ def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
     app.router.add_get("/metrics", admin.metrics_)
     app.router.add_get("/v1/evinfra/status", admin.status)
     app.router.add_post("/v1/evinfra/split", admin.split)
+    app.router.add_post("/v1/evinfra/nodes/{node}/{action:cordon|uncordon}", admin.cordon)
     app.router.add_post("/v1/branches/{branch}/end", admin.end_branch)
     app.router.add_get("/v1/branches/{branch}", admin.branch)
     return app

@@ -78,14 +78,18 @@ class _ClusterCollector:
                                    labels=["node"])
         decoding = GaugeMetricFamily("evinfra_node_decoding", "Requests bound to decode per node",
                                      labels=["node"])
+        routable = GaugeMetricFamily("evinfra_node_routable", "1 if new work may go to the node "
+                                     "(healthy, not cordoned, not switching)", labels=["node"])
         for n in s.nodes:
             view = router.node_view(n)
             phase.add_metric([n, str(view["phase"])], 1)
             queued.add_metric([n], float(view["queued"]))
             decoding.add_metric([n], float(view["decoding"]))
+            routable.add_metric([n], float(router.routable(n)))
         yield phase
         yield queued
         yield decoding
+        yield routable
         p, d = router.split()
         g = GaugeMetricFamily("evinfra_split_nodes", "Nodes per phase", labels=["phase"])
         g.add_metric(["prefill"], len(p))

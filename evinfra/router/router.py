@@ -185,10 +185,13 @@ class _Req:
         self.admitted = False
 
 
+_NONE_LEFT = "no {} node to route to: each is down, cordoned or switching"
+
+
 class _Node:
-    __slots__ = ("name", "idx", "phase", "draining", "healthy", "queue", "state", "t_rem_at",
-                 "decoding", "unadmitted", "running_prefill", "handoff", "last_chosen",
-                 "version", "row", "row_q", "row_v")
+    __slots__ = ("name", "idx", "phase", "draining", "healthy", "cordoned", "queue", "state",
+                 "t_rem_at", "decoding", "unadmitted", "running_prefill", "handoff",
+                 "last_chosen", "version", "row", "row_q", "row_v")
 
     def __init__(self, name: NodeId, idx: int, phase: Phase) -> None:
         self.name = name
@@ -196,6 +199,7 @@ class _Node:
         self.phase = phase
         self.draining: Phase | None = None  # the phase the node is switching to
         self.healthy = True
+        self.cordoned = False  # an operator took it out of routing (maintenance)
         self.queue = PrefillQueue()
         self.state: NodeState | None = None
         self.t_rem_at = 0.0  # when the last launched prefill iteration is predicted to end
@@ -342,12 +346,16 @@ class Router:
 
     # -- E.3 lines 3-12: route a prefill ---------------------------------------------------
 
+    @staticmethod
+    def _routable(n: _Node) -> bool:
+        """New work may go to the node: healthy, not cordoned, outside a switch."""
+        return n.healthy and not n.cordoned and n.draining is None
+
     def _prefill_nodes(self) -> list[_Node]:
-        """Healthy prefill-capable nodes outside a switch (kept until a node's health, phase
-        or drain changes: every route asks)."""
+        """Routable prefill-capable nodes (kept until a node's health, cordon, phase or drain
+        changes: every route asks)."""
         if self._eligible is None:
-            self._eligible = [n for n in self._nodes.values()
-                              if n.healthy and n.draining is None
+            self._eligible = [n for n in self._nodes.values() if self._routable(n)
                               and n.phase in (Phase.PREFILL, Phase.COLLOCATED)]
         return self._eligible
 
@@ -364,8 +372,8 @@ class Router:
         nodes = self._prefill_nodes()
         if not nodes:
             log.warning("route_refused", request=req.request, phase="prefill",
-                        reason="no healthy prefill node")
-            return Refusal(req.request, "prefill", "no healthy prefill node outside a switch")
+                        reason="no routable prefill node")
+            return Refusal(req.request, "prefill", _NONE_LEFT.format("prefill"))
         self._reqs[r.id] = r
         if r.reuse:
             match = self.directory.match(r.path)
@@ -382,8 +390,8 @@ class Router:
             dst = self._decode_node(r, now)
             if dst is None:
                 log.warning("bind_refused", request=r.id, phase="decode",
-                            reason="no healthy decode node")
-                return Refusal(r.id, "decode", "no healthy decode node outside a switch")
+                            reason="no routable decode node")
+                return Refusal(r.id, "decode", _NONE_LEFT.format("decode"))
             binding = self._bind(r, n, dst)
         self._routed += 1
         n.last_chosen = self._routed
@@ -533,8 +541,8 @@ class Router:
             dst = self._decode_node(r, now)
             if dst is None:
                 log.warning("bind_refused", request=request, phase="decode",
-                            reason="no healthy decode node")
-                return Refusal(request, "decode", "no healthy decode node outside a switch")
+                            reason="no routable decode node")
+                return Refusal(request, "decode", _NONE_LEFT.format("decode"))
         return self._bind(r, src, dst)
 
     def _bind(self, r: _Req, src: _Node, dst: _Node) -> DecodeBinding:
@@ -561,7 +569,7 @@ class Router:
 
     def _decode_node(self, r: _Req, now: float) -> _Node | None:
         nodes = [n for n in self._nodes.values()
-                 if n.healthy and n.draining is None and n.phase is Phase.DECODE]
+                 if self._routable(n) and n.phase is Phase.DECODE]
         if not nodes:
             return None
         options = [DecodeOption(n.name, self._room(n, now), len(n.decoding)) for n in nodes]
@@ -647,6 +655,20 @@ class Router:
         self._nodes[node].healthy = True
         self._eligible = None
 
+    def cordon(self, node: NodeId, cordoned: bool) -> list[RequestId]:
+        """Take the node out of routing, or back in. Its KV stays in the directory (peers
+        still fetch it from its host memory) and what runs there finishes; returns its queued
+        requests whose prefill has not started, for the caller to withdraw (they are routed
+        again on ``withdrawn``)."""
+        n = self._nodes[node]
+        n.cordoned = cordoned
+        self._eligible = None
+        return [q for q in n.queue.requests() if q not in n.running_prefill] if cordoned \
+            else []
+
+    def routable(self, node: NodeId) -> bool:
+        return self._routable(self._nodes[node])
+
     # -- phase switches (paper 4.2) --------------------------------------------------------
 
     def begin_switch(self, node: NodeId, phase: Phase) -> list[RequestId]:
@@ -716,6 +738,7 @@ class Router:
             "phase": n.phase.value,
             "draining_to": n.draining.value if n.draining else None,
             "healthy": n.healthy,
+            "cordoned": n.cordoned,
             "queued": len(n.queue),
             "queued_uncached_tokens": n.queue.U,
             "prefilling": len(n.running_prefill),

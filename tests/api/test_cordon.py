@@ -1,0 +1,90 @@
+"""An operator cordons a node for maintenance: no new work goes there, its queued prefills
+go elsewhere, what runs there finishes; uncordoned, it takes work again."""
+
+import asyncio
+
+import pytest
+
+from tests.api.conftest import body
+
+CHAT = "/v1/chat/completions"
+
+
+def spy_nodes(service) -> list:
+    """The node of each prefill order the service sends, from now on."""
+    nodes = []
+    for name, d in service.drivers.items():
+        def spy(order, _f=d.submit_prefill, _n=name):
+            nodes.append(_n)
+            return _f(order)
+        d.submit_prefill = spy
+    return nodes
+
+
+async def ask(client, text: str = "hi", tokens: int = 4):
+    return await client.post(CHAT, data=body(model="evinfra-fake", max_tokens=tokens,
+                                             messages=[{"role": "user", "content": text}]))
+
+
+async def cordon(client, node: str, action: str = "cordon") -> dict:
+    r = await client.post(f"/v1/evinfra/nodes/{node}/{action}")
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+async def test_a_cordoned_node_gets_no_work_until_uncordoned(client, service):
+    nodes = spy_nodes(service)
+    view = await cordon(client, "n0")
+    assert view["cordoned"] and view["withdrawn"] == 0
+    for i in range(8):
+        assert (await ask(client, f"q{i}")).status == 200
+    assert len(nodes) == 8 and "n0" not in nodes
+    status = await (await client.get("/v1/evinfra/status")).json()
+    assert status["nodes"]["n0"]["cordoned"] is True
+    metrics = (await (await client.get("/metrics")).read()).decode()
+    assert 'evinfra_node_routable{node="n0"} 0.0' in metrics
+    assert 'evinfra_node_routable{node="n1"} 1.0' in metrics
+    # Back in: with the others out, it takes everything.
+    assert not (await cordon(client, "n0", "uncordon"))["cordoned"]
+    for n in ("n1", "n2", "n3"):
+        await cordon(client, n)
+    nodes.clear()
+    assert (await ask(client)).status == 200
+    assert nodes == ["n0"]
+    # Every node out: a request has nowhere to go, and the service is not ready.
+    await cordon(client, "n0")
+    r = await ask(client)
+    assert r.status == 503 and "cordoned" in (await r.json())["error"]["message"]
+    assert (await client.get("/ready")).status == 503
+
+
+@pytest.mark.parametrize("config_overrides", [{"fake": {"c1": 2e-4}}])  # 0.2 s per 1K tokens
+async def test_queued_prefills_leave_a_cordoned_node_and_all_finish(client, service,
+                                                                    config_overrides):
+    for n in ("n1", "n2", "n3"):
+        await cordon(client, n)
+    nodes = spy_nodes(service)
+    asks = [asyncio.ensure_future(ask(client, f"{i} " + "x" * 1500)) for i in range(6)]
+    while len(nodes) < 6:
+        await asyncio.sleep(0.01)
+    for n in ("n1", "n2", "n3"):
+        await cordon(client, n, "uncordon")
+    view = await cordon(client, "n0")
+    assert view["withdrawn"] >= 3, view  # one runs, the others wait behind it
+    assert [r.status for r in await asyncio.gather(*asks)] == [200] * 6
+    assert nodes[:6] == ["n0"] * 6 and len(nodes) == 6 + view["withdrawn"]
+    assert "n0" not in nodes[6:]
+
+
+async def test_cordon_bad_requests(client):
+    r = await client.post("/v1/evinfra/nodes/zz/cordon")
+    assert r.status == 404 and (await r.json())["error"]["param"] == "node"
+    assert (await client.post("/v1/evinfra/nodes/n0/reboot")).status == 404
+    assert (await client.get("/v1/evinfra/nodes/n0/cordon")).status == 405
+
+
+@pytest.mark.parametrize("config_overrides", [{"server": {"admin_key": "k2"}}])
+async def test_cordoning_needs_the_admin_key(client):
+    assert (await client.post("/v1/evinfra/nodes/n0/cordon")).status == 401
+    r = await client.post("/v1/evinfra/nodes/n0/cordon", headers={"Authorization": "Bearer k2"})
+    assert r.status == 200

@@ -30,7 +30,8 @@ KEYS = ["model", "messages", "prompt", "max_tokens", "stream", "stream_options",
         "repetition_penalty", "top_k", "min_p", "logit_bias", "ignore_eos", "evinfra",
         "return_token_ids", "tools", "tool_choice", "parallel_tool_calls", "response_format",
         "chat_template_kwargs", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
-        "best_of"]
+        "best_of", "regex", "ebnf", "json_schema", "structured_outputs", "min_tokens",
+        "include_stop_str_in_output", "no_stop_trim", "reasoning_effort"]
 leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64),
                  st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
                  st.sampled_from(WORDS))
@@ -67,7 +68,15 @@ plausible = st.fixed_dictionaries(
               "logprobs": st.one_of(st.booleans(), value), "top_logprobs": st.integers(-2, 25),
               "parallel_tool_calls": st.booleans(), "n": st.integers(0, 3),
               "stop": st.lists(st.sampled_from(["a", "<", "</think>"]), max_size=2),
-              "chat_template_kwargs": st.dictionaries(st.text(max_size=5), value, max_size=2)})
+              "chat_template_kwargs": st.dictionaries(st.text(max_size=5), value, max_size=2),
+              "structured_outputs": st.one_of(value, st.fixed_dictionaries({}, optional={
+                  "regex": st.one_of(st.text(max_size=3), value),
+                  "choice": st.one_of(st.lists(st.text(max_size=3), max_size=2), value),
+                  "json": st.one_of(st.just('{"type": "object"}'), st.just("{x"), value),
+                  "grammar": value, "json_object": value})),
+              "regex": st.one_of(st.text(max_size=3), value), "min_tokens": st.integers(-1, 8),
+              "include_stop_str_in_output": st.booleans(),
+              "reasoning_effort": st.one_of(st.sampled_from(["low", "high"]), value)})
 """Chat bodies that get past the schema more often than not, to reach the later checks."""
 token_ids = st.lists(st.integers(-1, 300), max_size=4)
 plausible_completion = st.fixed_dictionaries(
@@ -79,6 +88,9 @@ plausible_completion = st.fixed_dictionaries(
               "logprobs": st.one_of(st.none(), st.integers(-1, 3)),
               "stop": st.lists(st.sampled_from(["a", "!", ""]), max_size=2),
               "stream_options": st.just({"include_usage": True}),
+              "json_schema": st.one_of(st.just('{"type": "object"}'), st.text(max_size=4)),
+              "ebnf": st.one_of(st.text(max_size=4), value), "min_tokens": st.integers(-1, 8),
+              "no_stop_trim": st.booleans(),
               "evinfra": st.one_of(value, st.just({"branch_id": "b"}))})
 """Completion bodies (echo, best_of, batches of prompts) that mostly get past the schema."""
 

@@ -71,7 +71,9 @@ def test_chat_template_kwargs_reach_the_template_and_replace_nothing(tok):
     assert forged == tok.apply_chat_template(hi)
 
 
-async def test_the_chat_route_hands_the_template_its_kwargs(client, monkeypatch):
+@pytest.fixture
+def template_kwargs_seen(monkeypatch) -> list:
+    """The variables each render of the built-in template is handed, from now on."""
     seen = []
     real = ByteTokenizer.apply_chat_template
 
@@ -80,6 +82,11 @@ async def test_the_chat_route_hands_the_template_its_kwargs(client, monkeypatch)
         return real(self, messages, tools, extra, add_generation_prompt)
 
     monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
+    return seen
+
+
+async def test_the_chat_route_hands_the_template_its_kwargs(client, template_kwargs_seen):
+    seen = template_kwargs_seen
     r = await client.post("/v1/chat/completions", json={
         "model": "evinfra-fake", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
@@ -95,18 +102,11 @@ def test_a_template_that_trips_on_the_requests_values_is_a_400(tmp_path, extra):
     assert e.value.message.startswith("chat template:")
 
 
-async def test_reasoning_effort_reaches_the_template(client, monkeypatch):
+async def test_reasoning_effort_reaches_the_template(client, template_kwargs_seen):
     """Chat's ``reasoning_effort`` and the Responses API's ``reasoning.effort`` are the
     template's ``reasoning_effort`` (gpt-oss's template reads it); a ``chat_template_kwargs``
     value wins; an effort OpenAI does not name is a 400."""
-    seen = []
-    real = ByteTokenizer.apply_chat_template
-
-    def spy(self, messages, tools=None, extra=None, add_generation_prompt=True):
-        seen.append(extra)
-        return real(self, messages, tools, extra, add_generation_prompt)
-
-    monkeypatch.setattr(ByteTokenizer, "apply_chat_template", spy)
+    seen = template_kwargs_seen
     chat = {"model": "evinfra-fake", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 2}
     for extra in ({"reasoning_effort": "low"},

@@ -32,9 +32,9 @@ from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
 
-__all__ = ["NO_IMAGES", "Channel", "ChatOutput", "Detokenizer", "Sample", "chat_reader",
-           "check_model", "joined_text", "max_tokens_for", "outputs", "read_hints", "sse_event",
-           "Stops", "stop_strings", "submit_one", "whole"]
+__all__ = ["NO_IMAGES", "Channel", "ChatOutput", "Detokenizer", "Sample", "Stops",
+           "chat_reader", "check_model", "joined_text", "max_tokens_for", "outputs",
+           "read_hints", "sse_event", "stop_strings", "submit_one", "whole"]
 
 NO_IMAGES = "images are not served: the model reads text"
 
@@ -286,14 +286,14 @@ async def outputs(service: Service, tok: Tokenizer, sample: Sample, rule: Stops,
             started()
             started = None
         if isinstance(item, list):
-            cut = min_tokens - 1 - len(detok.ids)  # tokens of this item before the floor
-            if 0 < cut < len(item):
-                head = detok.add(item[:cut])
+            below = min_tokens - 1 - len(detok.ids)  # tokens of this item below the floor
+            if 0 < below < len(item):
+                head = detok.add(item[:below])
                 floor = total + len(head)
-                delta = head + detok.add(item[cut:])
+                delta = head + detok.add(item[below:])
             else:
                 delta = detok.add(item)
-                if cut >= len(item):
+                if below >= len(item):
                     floor = total + len(delta)
             total += len(delta)
             if stops and delta:

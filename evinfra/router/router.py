@@ -663,8 +663,12 @@ class Router:
         n = self._nodes[node]
         n.cordoned = cordoned
         self._eligible = None
-        return [q for q in n.queue.requests() if q not in n.running_prefill] if cordoned \
-            else []
+        return self._unstarted(n) if cordoned else []
+
+    @staticmethod
+    def _unstarted(n: _Node) -> list[RequestId]:
+        """The node's queued requests whose prefill has not started (it may give them up)."""
+        return [q for q in n.queue.requests() if q not in n.running_prefill]
 
     def routable(self, node: NodeId) -> bool:
         return self._routable(self._nodes[node])
@@ -683,7 +687,7 @@ class Router:
             n.phase = phase
             return []
         n.draining = phase
-        return [q for q in n.queue.requests() if q not in n.running_prefill]
+        return self._unstarted(n)
 
     def withdrawn(self, request: RequestId, node: NodeId, now: float) -> Route | Refusal | None:
         """A queued request came back from a draining node: route it again, re-predicting

@@ -417,6 +417,8 @@ class OpenAIRoutes:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         enc = msgspec.json.encode
+        opts = body.stream_options
+        running_usage = opts is not None and opts.continuous_usage_stats
 
         def sse(obj: dict) -> bytes:
             return b"data: " + enc(obj) + b"\n\n"
@@ -445,8 +447,11 @@ class OpenAIRoutes:
                           "logprobs": logprobs}
             if body.return_token_ids and ids is not None:
                 choice["token_ids"] = ids
-            return sse({"id": rid, "object": obj, "created": created, "model": self.model.name,
-                        "choices": [choice]})
+            out = {"id": rid, "object": obj, "created": created, "model": self.model.name,
+                   "choices": [choice]}
+            if running_usage:
+                out["usage"] = self._usage(samples, prompt, count)
+            return sse(out)
 
         async def choice_events(sample: Sample, stream, item):
             """One choice's chunks, from its first output ``item`` to its finish."""
@@ -501,7 +506,6 @@ class OpenAIRoutes:
                                                              else None)
                                                for s, o in zip(samples, streams)]):
                         yield data
-                opts = body.stream_options
                 if opts is not None and opts.include_usage:
                     yield sse({"id": rid, "object": obj, "created": created,
                                "model": self.model.name, "choices": [],

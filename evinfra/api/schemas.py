@@ -52,6 +52,9 @@ class AgentHints(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+    """A last chunk with the request's ``usage``."""
+    continuous_usage_stats: bool = False
+    """vLLM's and SGLang's: every chunk carries the usage so far."""
 
 
 class StructuredOutputs(msgspec.Struct, frozen=True):

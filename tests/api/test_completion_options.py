@@ -244,3 +244,26 @@ async def test_a_batch_with_branch_hints_or_too_many_requests_is_refused(client,
     r = await client.post("/v1/completions", headers={"X-Evinfra-Branch-Id": "agent-1"},
                           data=body(model="evinfra-fake", prompt=["a"], max_tokens=2))
     assert r.status == 200  # a batch of one is a request like any other
+
+
+async def test_continuous_usage_stats(client, monkeypatch):
+    """vLLM's and SGLang's ``continuous_usage_stats``: each chunk has the usage so far."""
+    model_says(monkeypatch, "abcdefgh")
+    oa = openai_client(client)
+    for chat in (False, True):
+        kw = dict(model="evinfra-fake", max_tokens=20, stream=True, stream_options={
+            "include_usage": True, "continuous_usage_stats": True})
+        stream = await (oa.chat.completions.create(messages=[{"role": "user", "content": "x"}],
+                                                   **kw) if chat else
+                        oa.completions.create(prompt="xyz", **kw))
+        seen, text = [], ""
+        async for chunk in stream:
+            seen.append(chunk.usage.completion_tokens)
+            for c in chunk.choices:
+                text += (c.delta.content or "") if chat else c.text
+                assert chunk.usage.completion_tokens >= len(text)
+        assert text == "abcdefgh" and seen == sorted(seen) and seen[-1] == 8
+        assert len(seen) > 2
+    stream = await oa.completions.create(model="evinfra-fake", prompt="xyz", max_tokens=20,
+                                         stream=True)
+    assert {chunk.usage async for chunk in stream} == {None}

@@ -27,7 +27,8 @@ from evinfra.api.constraints import (Grammar, check_served, engine_grammars, one
                                      output_schema)
 from evinfra.api.logprobs import LogprobReader, top_logprobs
 from evinfra.api.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest, ToolChoice, decode_body, template_kwargs)
+                                 TokenizeRequest, ToolChoice, decode_body, refuse_unserved,
+                                 template_kwargs)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
                                  outputs, read_hints, stop_strings, whole)
 from evinfra.api.tokenizer import Tokenizer, continue_final, message_text
@@ -225,6 +226,7 @@ class OpenAIRoutes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), ChatCompletionRequest)
+        refuse_unserved(body)
         tools = body.template_tools()
         grammar, forced = _chat_grammar(body, tools)
         self._check_grammar(grammar)
@@ -238,6 +240,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), CompletionRequest)
+        refuse_unserved(body)
         grammar = one_grammar(engine_grammars(body.json_schema, body.regex, body.ebnf,
                                               body.structured_outputs))
         self._check_grammar(grammar)

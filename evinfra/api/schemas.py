@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as OpenAI clients send many this server has no use for
 (``user``, ``metadata``...), but those that ask for a different answer this server does not
-give (an image in a message: the model reads text) are refused; wrong types
+give (an image in a message: the model reads text; the fields of ``refuse_unserved``, say
+legacy ``functions`` or a completion's ``suffix``) are refused; wrong types
 and out-of-range values are 400s that name the field. ``evinfra`` in a body carries the same
 agent hints as the ``X-Evinfra-*`` headers.
 """
@@ -13,9 +14,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from evinfra.errors import RequestError
+
 __all__ = ["AgentHints", "ChatCompletionRequest", "CompletionRequest", "Effort",
            "ResponseFormat", "SplitRequest", "StructuredOutputs", "ToolChoice", "decode_body",
-           "template_kwargs"]
+           "refuse_unserved", "template_kwargs"]
 
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -108,6 +111,14 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     ebnf: str | None = None
     """SGLang's: the output is a sentence of this EBNF grammar (xgrammar's dialect)."""
     structured_outputs: StructuredOutputs | None = None
+    # Refused (``refuse_unserved``): each asks for an answer this server does not give.
+    guided_json: object | None = None
+    guided_regex: object | None = None
+    guided_choice: object | None = None
+    guided_grammar: object | None = None
+    stop_regex: object | None = None
+    prompt_logprobs: object | None = None
+    skip_special_tokens: bool | None = None
 
 
 class FunctionDef(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -171,6 +182,10 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     """Each output token's log-probability in ``choices[].logprobs.content``."""
     top_logprobs: int | None = None
     """With ``logprobs``: that many most likely tokens at each position (0-20)."""
+    functions: object | None = None
+    function_call: object | None = None
+    audio: object | None = None
+    web_search_options: object | None = None
 
     def template_tools(self) -> list[dict] | None:
         """The tools the chat template shows the model (none with ``tool_choice: none``, as
@@ -193,6 +208,7 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     start with the prompt's tokens' (the first's null), which the prefill engine reports."""
     json_schema: str | None = None
     """SGLang's: the output is JSON this schema (JSON text) holds."""
+    suffix: object | None = None
     best_of: Choices | None = None
     """Candidates sampled (at least ``n``; ``n`` when not given), of which the ``n`` with the
     highest log-probability per token are returned; more than ``n`` cannot be streamed."""
@@ -227,6 +243,33 @@ class SplitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``POST /v1/evinfra/split``: the nodes that prefill; the others decode."""
 
     prefill: list[str]
+
+
+_UNSERVED = (  # field, the value that asks for nothing different, what to do instead
+    ("guided_json", None, "vLLM's older name: use structured_outputs.json"),
+    ("guided_regex", None, "vLLM's older name: use structured_outputs.regex (or regex)"),
+    ("guided_choice", None, "vLLM's older name: use structured_outputs.choice"),
+    ("guided_grammar", None, "vLLM's older name: use structured_outputs.grammar (or ebnf)"),
+    ("stop_regex", None, "stop regexes are not served: use stop strings"),
+    ("prompt_logprobs", None, "not served: a completion's echo with logprobs gives the "
+                              "prompt's log-probabilities"),
+    ("skip_special_tokens", True, "special tokens are always left out of the text: "
+                                  "return_token_ids gives every id"),
+    ("functions", None, "the legacy functions are not served: use tools"),
+    ("function_call", None, "the legacy function_call is not served: use tool_choice"),
+    ("audio", None, "audio output is not served: the model writes text"),
+    ("web_search_options", None, "web search is not served"),
+    ("suffix", None, "fill-in-the-middle (suffix) is not served"),
+)
+
+
+def refuse_unserved(body: msgspec.Struct) -> None:
+    """Raise a 400 for a field other servers take that would ask this one for an answer it
+    does not give: ignoring it would answer something else without saying so."""
+    for name, served, instead in _UNSERVED:
+        value = getattr(body, name, None)
+        if value is not None and value != served:
+            raise RequestError(f"{name}: {instead}", param=name)
 
 
 def decode_body(body: bytes, schema: type) -> object:

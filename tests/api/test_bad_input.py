@@ -126,6 +126,26 @@ async def test_options_this_server_does_not_serve_are_refused(client, path, fiel
     assert r.status == 200, await r.text()
 
 
+@pytest.mark.parametrize("path,field,value", [
+    (CHAT, "guided_json", {"type": "object"}), (CHAT, "guided_regex", "a+"),
+    ("/v1/completions", "guided_choice", ["a"]), (CHAT, "guided_grammar", 'root ::= "a"'),
+    (CHAT, "stop_regex", "\\d"), ("/v1/completions", "prompt_logprobs", 1),
+    (CHAT, "skip_special_tokens", False), (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "function_call", "auto"), (CHAT, "audio", {"voice": "x"}),
+    (CHAT, "web_search_options", {}), ("/v1/completions", "suffix", "}")])
+async def test_fields_other_servers_take_for_another_answer_are_refused(client, path, field,
+                                                                          value):
+    """Ignored, each would get an answer other than the one asked for, without a word: a 400
+    that names the field and says what to use instead."""
+    what = {"messages": MSG} if path == CHAT else {"prompt": "hi"}
+    err = await expect(client, path, body(model="evinfra-fake", max_tokens=2, **what,
+                                          **{field: value}), 400, param=field)
+    assert err["message"].startswith(f"{field}: ")
+    r = await client.post(path, json={"model": "evinfra-fake", "max_tokens": 2, **what,
+                                      field: None, "skip_special_tokens": True})
+    assert r.status == 200, await r.text()
+
+
 async def test_bad_split_requests(client):
     await expect(client, "/v1/evinfra/split", body(prefill=["n0", "zz"]), 400, param="prefill")
     await expect(client, "/v1/evinfra/split", body(prefill=["n0", "n1", "n2", "n3"]), 400)

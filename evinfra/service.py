@@ -728,8 +728,9 @@ class Service:
         """An operator takes ``node`` out of routing for maintenance (``POST
         /v1/evinfra/nodes/{node}/cordon``), or puts it back (``.../uncordon``). Its queued
         requests whose prefill has not started are withdrawn and routed elsewhere; what runs
-        there finishes, and its KV stays readable by its peers. The split does not change:
-        the planner still counts the node. Returns the withdrawn requests."""
+        there finishes, and its KV stays readable by its peers. It keeps its phase; the
+        planner's next decisions split the other nodes (as for a node that is down). Returns
+        the withdrawn requests."""
         if node not in self.drivers:
             raise RequestError(f"unknown node {node!r}", param="node", status=404)
         withdrawn = self.router.cordon(node, cordoned)

@@ -372,6 +372,7 @@ class Planner:
         self._window: Window | None = None
         self._last_switch = -math.inf
         self._q = 0.0
+        self._out: list[NodeId] = []  # nodes out of service (down or cordoned), by name
 
     # -- observations ----------------------------------------------------------------------
 
@@ -408,7 +409,9 @@ class Planner:
         """Finished requests arrive through :meth:`observe_request` with their work."""
 
     def observe_loads(self, now: float, loads: "list[NodeLoad]") -> None:
-        """Queue depths are what Eq. 6's test is built to look past (5.2): unused."""
+        """Which nodes serve (not down, not cordoned): the next decision plans over those.
+        Queue depths are what Eq. 6's test is built to look past (5.2): unused."""
+        self._out = sorted(x.node for x in loads if not x.serving)
 
     def drained(self, node: NodeId, now: float) -> None:
         """``node`` finished the requests it ran before its switch and now serves its new phase."""
@@ -471,7 +474,7 @@ class Planner:
             decision = Decision(at=now, split=self.split, slices=slices,
                                 reason=f"keep {self.split.label}: {blocked}")
         else:
-            decision = plan([self.models[n] for n in self.nodes], self.split, slices, at=now)
+            decision = self._plan(slices, now)
         # The whole decision (slices, per-slice gains) is served by the status API; the log
         # line carries what a reader scans for.
         log.info("planner_decision", at=now, split=decision.split.label,
@@ -508,6 +511,25 @@ class Planner:
                 _log_fit(report)
         measured = window.remeasure({n: (x.t_bar, x.f) for n, x in self.models.items()})
         self.models = {n: x.remeasured(*measured[n]) for n, x in self.models.items()}
+
+    def _plan(self, slices: list[SliceWork], now: float) -> Decision:
+        """E.3 lines 17-28 over the nodes that serve: a node out of service (down, cordoned)
+        gives the cluster no capacity, so the candidates split the others, and it keeps its
+        phase for when it is back."""
+        if not self._out:
+            return plan([self.models[n] for n in self.nodes], self.split, slices, at=now)
+        out = set(self._out)
+        live = [n for n in self.nodes if n not in out]
+        sub = Split.of(live, [n for n in self.split.prefill if n not in out])
+        note = f"{', '.join(self._out)} out of service, kept as they are"
+        if not sub.prefill or not sub.decode:
+            return Decision(at=now, split=self.split, slices=slices, reason=(
+                f"keep {self.split.label}: {note}, and no phase may be left without a node"))
+        d = plan([self.models[n] for n in live], sub, slices, at=now)
+        chosen = None if d.chosen is None else Split.of(
+            self.nodes, list(d.chosen.prefill) + [n for n in self.split.prefill if n in out])
+        return msgspec.structs.replace(d, split=self.split, chosen=chosen,
+                                       reason=f"{d.reason} (over {sub.label}: {note})")
 
     def _blocked(self) -> str | None:
         if self.draining:

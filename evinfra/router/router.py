@@ -96,6 +96,8 @@ class NodeLoad(msgspec.Struct, frozen=True, gc=False):
     """KV tokens (input plus ``max_tokens``) of the requests bound to the node for decode."""
     kv_capacity: int | None
     """GPU KV capacity from the node's last report (None before any)."""
+    serving: bool = True
+    """Healthy and not cordoned: it takes new work (once a switch it is in is over)."""
 
 
 class DecodeBinding(msgspec.Struct, frozen=True, gc=False):
@@ -761,5 +763,6 @@ class Router:
                             self.config.ttft)[1]
             need = sum(self._reqs[q].need for q in n.decoding if q in self._reqs)
             out.append(NodeLoad(n.name, n.phase.value, n.queue.U, wait, need,
-                                n.state.l1_capacity if n.state is not None else None))
+                                n.state.l1_capacity if n.state is not None else None,
+                                n.healthy and not n.cordoned))
         return out

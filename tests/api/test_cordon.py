@@ -1,5 +1,6 @@
 """An operator cordons a node for maintenance: no new work goes there, its queued prefills
-go elsewhere, what runs there finishes; uncordoned, it takes work again."""
+go elsewhere, what runs there finishes, the planner splits the other nodes; uncordoned, it
+takes work again."""
 
 import asyncio
 
@@ -41,6 +42,8 @@ async def test_a_cordoned_node_gets_no_work_until_uncordoned(client, service):
     assert len(nodes) == 8 and "n0" not in nodes
     status = await (await client.get("/v1/evinfra/status")).json()
     assert status["nodes"]["n0"]["cordoned"] is True
+    # The planner's next decision splits the other nodes (it reads the router's loads).
+    assert [x.serving for x in service.router.loads(0.0)] == [False, True, True, True]
     metrics = (await (await client.get("/metrics")).read()).decode()
     assert 'evinfra_node_routable{node="n0"} 0.0' in metrics
     assert 'evinfra_node_routable{node="n1"} 1.0' in metrics

@@ -12,6 +12,7 @@ from planner_fakes import OSWORLD, PUTNAM, TRUTH, Synth, Workload, heterogeneous
 from evinfra.core.types import qk_pairs
 from evinfra.errors import ConfigError
 from evinfra.planner import Decision, NodeModel, Planner, PlannerConfig, SliceWork, Split, plan
+from evinfra.router.router import NodeLoad
 
 CC = Workload(rate=3.0, t_uc=(2e3, 1.2e4), t_c=(2e4, 1.2e5), t_out=(300, 1500), q=160)
 """Coding agents between the two extremes: the best split is 3P6D on nine nodes."""
@@ -298,3 +299,33 @@ def test_exported_names():
     public = {n for n, v in vars(package).items()
               if not n.startswith("_") and not isinstance(v, types.ModuleType)}
     assert set(package.__all__) == public
+
+
+def out_of_service(p: Planner, *nodes: str) -> None:
+    """The router's loads before a decision: ``nodes`` down or cordoned."""
+    p.observe_loads(0.0, [NodeLoad(n, "prefill" if n in p.split.prefill else "decode", 0, 0.0,
+                                   0, None, n not in nodes) for n in p.nodes])
+
+
+def test_nodes_out_of_service_keep_their_phase_and_the_rest_are_split():
+    """A down or cordoned node gives no capacity: the candidates split the nodes that serve,
+    as a cluster of those alone would be split, and it keeps its phase for when it is back."""
+    cluster = make_cluster()
+    cluster.warmup()
+    p = cluster.planner
+    out_of_service(p, "n0", "n1", "n2")
+    d = cluster.window([PUTNAM] * 10)
+    assert d.chosen is not None and {"n0", "n1", "n2"} <= set(d.chosen.prefill)
+    assert "n0, n1, n2 out of service" in d.reason and len(d.order) == 6
+    assert d.split.label == "6P3D" and p.split == d.chosen
+    live = [n for n in p.nodes if n not in ("n0", "n1", "n2")]
+    same = plan([p.models[n] for n in live], Split.of(live, ["n3", "n4", "n5"]), d.slices,
+                at=d.at)
+    assert set(d.chosen.prefill) - {"n0", "n1", "n2"} == set(same.chosen.prefill)
+    # Every decode node out: no split of the rest has both phases, so nothing moves.
+    out_of_service(p, *p.split.decode)
+    d = cluster.window([OSWORLD] * 10)
+    assert d.chosen is None and "no phase may be left without a node" in d.reason
+    out_of_service(p)  # all back: the whole cluster is split again
+    d = cluster.window([OSWORLD] * 10)
+    assert "out of service" not in d.reason and len(d.order) == 9

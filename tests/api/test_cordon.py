@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.api.conftest import body
+from tests.api.conftest import body, eventually
 
 CHAT = "/v1/chat/completions"
 
@@ -68,8 +68,7 @@ async def test_queued_prefills_leave_a_cordoned_node_and_all_finish(client, serv
         await cordon(client, n)
     nodes = spy_nodes(service)
     asks = [asyncio.ensure_future(ask(client, f"{i} " + "x" * 1500)) for i in range(6)]
-    while len(nodes) < 6:
-        await asyncio.sleep(0.01)
+    assert await eventually(lambda: len(nodes) == 6)
     for n in ("n1", "n2", "n3"):
         await cordon(client, n, "uncordon")
     view = await cordon(client, "n0")

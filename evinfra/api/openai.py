@@ -350,15 +350,22 @@ class OpenAIRoutes:
             for s in samples:
                 self.service.abort(s.rid)
 
-    def _usage(self, samples: list[Sample], prompt: int, count: int) -> dict:
+    def _usage(self, samples: list[Sample], prompt: int, count: int, whole: bool = True
+               ) -> dict:
         """A prompt counts once (its KV is shared by its ``count`` choices, its cached part
         is what its first choice reused); the completions of every choice (of every
-        ``best_of`` candidate)."""
+        ``best_of`` candidate). With a reasoning parser, once the outputs are ``whole``,
+        ``completion_tokens_details.reasoning_tokens``: the reasoning's tokens as the
+        tokenizer reads its text (the Responses API counts them so too)."""
         cached = sum(h.record.cached_tokens for h in samples[::count] if h.record is not None)
         completion = sum(len(s.ids) for s in samples)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion,
+                       "total_tokens": prompt + completion,
+                       "prompt_tokens_details": {"cached_tokens": cached}}
+        if whole and samples[0].out is not None and samples[0].out.think is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+                len(self.tok.encode(s.out.reasoning)) for s in samples)}
+        return usage
 
     async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,
                      prompt: int, count: int, echo: _Echo) -> web.Response:
@@ -453,7 +460,7 @@ class OpenAIRoutes:
             out = {"id": rid, "object": obj, "created": created, "model": self.model.name,
                    "choices": [choice]}
             if running_usage:
-                out["usage"] = self._usage(samples, prompt, count)
+                out["usage"] = self._usage(samples, prompt, count, whole=False)
             return sse(out)
 
         async def choice_events(sample: Sample, stream, item):

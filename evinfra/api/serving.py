@@ -168,20 +168,30 @@ class ChatOutput:
                  ) -> None:
         self.think = think
         self.parser = calls
+        self._reasoning: list[str] = []
 
     @property
     def calls(self) -> list[ToolCall]:
         return self.parser.calls if self.parser is not None else []
 
+    @property
+    def reasoning(self) -> str:
+        """The reasoning let out so far."""
+        return "".join(self._reasoning)
+
     def feed(self, delta: str) -> tuple[str, str, list[ToolCall]]:
         """The reasoning, the content and the calls this delta lets out."""
         reasoning, content = self.think.feed(delta) if self.think is not None else ("", delta)
+        if reasoning:
+            self._reasoning.append(reasoning)
         if self.parser is not None and content:
             return (reasoning, *self.parser.feed(content))
         return reasoning, content, []
 
     def end(self) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = self.think.end() if self.think is not None else ("", "")
+        if reasoning:
+            self._reasoning.append(reasoning)
         if self.parser is None:
             return reasoning, content, []
         before = len(self.parser.calls)

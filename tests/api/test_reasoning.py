@@ -78,3 +78,28 @@ async def test_without_a_reasoning_parser_it_is_all_content(client, monkeypatch,
     whole, streamed = await both(client)
     assert whole == streamed == {"reasoning": None, "content": "<think>x</think>4",
                                  "calls": [], "finish": "stop"}
+
+
+async def usage_both(client) -> tuple[dict, dict]:
+    """``usage`` of the whole answer and of the stream's last chunk."""
+    body = {"model": "evinfra-fake", "messages": MSG, "max_tokens": 200}
+    r = await client.post("/v1/chat/completions", json=body)
+    whole = (await r.json())["usage"]
+    r = await client.post("/v1/chat/completions", json={
+        **body, "stream": True, "stream_options": {"include_usage": True}})
+    lines = [ln for ln in (await r.text()).splitlines() if ln.startswith("data: {")]
+    return whole, json.loads(lines[-1][6:])["usage"]
+
+
+async def test_usage_counts_the_reasoning_tokens(client, monkeypatch):
+    model_says(monkeypatch, "<think>abc</think>hi")
+    for usage in await usage_both(client):
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": 3}  # bytes a, b, c
+        assert usage["completion_tokens"] == len("<think>abc</think>hi".encode())
+
+
+@pytest.mark.parametrize("config_overrides", [{}])
+async def test_no_reasoning_count_without_a_parser(client, monkeypatch, config_overrides):
+    model_says(monkeypatch, "<think>abc</think>hi")
+    for usage in await usage_both(client):
+        assert "completion_tokens_details" not in usage

@@ -574,7 +574,9 @@ class Router:
                  if self._routable(n) and n.phase is Phase.DECODE]
         if not nodes:
             return None
-        options = [DecodeOption(n.name, self._room(n, now), len(n.decoding)) for n in nodes]
+        l1 = self.directory.match(r.path).own_l1 if r.reuse else None
+        options = [DecodeOption(n.name, self._room(n, now), len(n.decoding),
+                                l1[n.idx] if l1 is not None else 0) for n in nodes]
         chosen = self._nodes[self.decode.choose(r.need, options)]
         room = next(o.room for o in options if o.node == chosen.name)
         if room is not None and room < r.need:

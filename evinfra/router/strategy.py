@@ -13,9 +13,9 @@ directory's branch steps) and asks a strategy only to *choose*:
   books (approximate prefix trees, active blocks) from the requests it routed, as the
   SGLang Model Gateway and the Dynamo router do;
 * a :class:`DecodeStrategy` picks among :class:`DecodeOption`\\ s, either when the prefill
-  starts (evinfra: KV room, fewest requests; paper D.1) or when the request is routed
-  (``at_submit``: SGLang PD's round-robin decode routing, whose decode node reserves the KV
-  while the request waits in the prefill queue).
+  starts (evinfra: KV room, fewest requests, then the longest prefix in GPU memory; paper
+  D.1) or when the request is routed (``at_submit``: SGLang PD's round-robin decode
+  routing, whose decode node reserves the KV while the request waits in the prefill queue).
 
 Strategies are synchronous and deterministic; time comes in through the view.
 """
@@ -146,6 +146,9 @@ class DecodeOption(msgspec.Struct, frozen=True, gc=False):
     without a fresh report."""
     requests: int
     """Requests bound to the node and not finished."""
+    cached: int = 0
+    """Leading blocks of the request's path in the node's GPU memory: the KV the prefill
+    node need not send it (Fig. 4d)."""
 
 
 class DecodeStrategy(Protocol):
@@ -160,12 +163,19 @@ class FewestRequests:
     """E.3 line 13: the decode node with KV room for the request and the fewest requests,
     bound when the prefill starts, so queued requests hold no decode memory (paper D.1).
     A node without a fresh report may have room: it is ranked after those that report
-    room. When none has room, the node with the most room takes it (overcommitted)."""
+    room. When none has room, the node with the most room takes it (overcommitted).
+
+    Ties on requests (about half the bindings of a ``cc`` run) go to the node holding the
+    longest prefix of the request in GPU memory: the branch's last decode node, as in
+    Fig. 4d, where a branch alternates between a prefill node and one decode node and each
+    step sends only new KV. Broken by name, a tie could move the branch to another node:
+    its counts there and all the KV that node lacked."""
 
     at_submit = False
 
     def choose(self, need: int, options: Sequence[DecodeOption]) -> NodeId:
         fits = [o for o in options if o.room is None or o.room >= need]
         if fits:
-            return min(fits, key=lambda o: (o.room is None, o.requests, o.node)).node
+            return min(fits, key=lambda o: (o.room is None, o.requests, -o.cached,
+                                            o.node)).node
         return max(options, key=lambda o: (o.room, -o.requests, o.node)).node

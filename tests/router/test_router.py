@@ -118,6 +118,27 @@ def test_decode_binding_needs_room_then_prefers_fewest_requests() -> None:
     assert r.prefill_started("b", route.node, 0.3).node == "D1"  # room, and fewer requests
 
 
+def test_decode_ties_go_to_the_node_holding_the_prefix_in_gpu_memory() -> None:
+    """Fig. 4d: a branch keeps its decode node while the nodes tie on requests, so each
+    step sends only new KV; without a prefix anywhere, ties go by name."""
+    r = make()
+    for d in ("D1", "D2"):
+        r.on_state(NodeState(d, 0.0, "decode", kv_room=100_000))
+    r.directory.apply("D2", BlockStored(r.directory.branches.hasher.hash(FAMILY[:1024]).hashes,
+                                        None, [], PAGE, medium="CPU_PINNED"))
+    route = r.route(req("a", FAMILY[:2000]), 0.0)
+    assert r.prefill_started("a", route.node, 0.1).node == "D1"  # D2's copy is host-only
+    route = r.route(req("b", rng.integers(0, 50_000, size=2000, dtype=np.uint32)), 0.1)
+    assert r.prefill_started("b", route.node, 0.2).node == "D2"  # fewer requests first
+    hold(r, "D2", FAMILY[:1024])
+    route = r.route(req("c", FAMILY[:2000]), 0.2)
+    assert r.prefill_started("c", route.node, 0.3).node == "D2"  # 1 each: D2 holds 16 blocks
+    route = r.route(req("d", FAMILY[:2000], branch="other"), 0.3)
+    r.prefill_started("d", route.node, 0.4)
+    route = r.route(req("e", rng.integers(0, 50_000, size=2000, dtype=np.uint32)), 0.4)
+    assert r.prefill_started("e", route.node, 0.5).node == "D1"  # 2 each, no prefix: by name
+
+
 def test_refusals_when_no_node_of_a_phase_is_left() -> None:
     r = make({"P1": Phase.PREFILL, "D1": Phase.DECODE})
     r.begin_switch("P1", Phase.DECODE)

@@ -169,7 +169,7 @@ _FLOOR = attrgetter("floor")
 
 class _Req:
     __slots__ = ("id", "branch", "path", "t_in", "need", "final", "reuse", "prefill", "decode",
-                 "started", "done", "admitted")
+                 "started", "done", "admitted", "l1")
 
     def __init__(self, rid: RequestId, branch: BranchId, path: HashedPath, t_in: int,
                  need: int, final: bool, reuse: bool = True) -> None:
@@ -185,6 +185,9 @@ class _Req:
         self.started = False
         self.done = False
         self.admitted = False
+        # Leading path blocks each node (by index) held in GPU memory when the request was
+        # last routed: the decode binding's tie-break.
+        self.l1: list[int] = []
 
 
 _NONE_LEFT = "no {} node to route to: each is down, cordoned or switching"
@@ -382,6 +385,7 @@ class Router:
         else:
             none = [0] * len(self.directory.tree.nodes)
             match = PrefixMatch(0, none, list(none))
+        r.l1 = match.own_l1
         view = _View(self, r, nodes, match, now)
         best = self.prefill.choose(view)
         if isinstance(best, Hold):
@@ -574,9 +578,9 @@ class Router:
                  if self._routable(n) and n.phase is Phase.DECODE]
         if not nodes:
             return None
-        l1 = self.directory.match(r.path).own_l1 if r.reuse else None
+        l1 = r.l1
         options = [DecodeOption(n.name, self._room(n, now), len(n.decoding),
-                                l1[n.idx] if l1 is not None else 0) for n in nodes]
+                                l1[n.idx] if n.idx < len(l1) else 0) for n in nodes]
         chosen = self._nodes[self.decode.choose(r.need, options)]
         room = next(o.room for o in options if o.node == chosen.name)
         if room is not None and room < r.need:

@@ -30,7 +30,7 @@ from evinfra.api.schemas import (ChatCompletionRequest, CompletionRequest, Detok
                                  TokenizeRequest, ToolChoice, decode_body, refuse_unserved,
                                  template_kwargs)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
-                                 outputs, read_hints, stop_strings, whole)
+                                 outputs, read_hints, reasoning_tokens, stop_strings, whole)
 from evinfra.api.tokenizer import Tokenizer, continue_final, message_text
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -363,8 +363,8 @@ class OpenAIRoutes:
                        "total_tokens": prompt + completion,
                        "prompt_tokens_details": {"cached_tokens": cached}}
         if whole and samples[0].out is not None and samples[0].out.think is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
-                len(self.tok.encode(s.out.reasoning)) for s in samples)}
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": reasoning_tokens(self.tok, samples)}
         return usage
 
     async def _whole(self, rid: str, body, samples: list[Sample], streams: list, chat: bool,

@@ -39,7 +39,8 @@ from evinfra.api.schemas import (AgentHints, Effort, Temperature, TopP, decode_b
                                  template_kwargs)
 from evinfra.api.response_store import ResponseStore, Stored
 from evinfra.api.serving import (Sample, Stops, chat_reader, check_model, joined_text,
-                                 max_tokens_for, read_hints, sse_event, submit_one)
+                                 max_tokens_for, read_hints, reasoning_tokens, sse_event,
+                                 submit_one)
 from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
 from evinfra.drivers.base import Sampling
@@ -440,14 +441,13 @@ class _Answer:
             if finish == "length":
                 out["status"] = "incomplete"
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
-            out["usage"] = self.usage(output)
+            out["usage"] = self.usage()
         return out
 
-    def usage(self, output: list[dict]) -> dict:
+    def usage(self) -> dict:
         s = self.sample
         cached = s.record.cached_tokens if s.record is not None else 0
-        reasoning = sum(len(self.tok.encode(p["text"])) for it in output
-                        if it["type"] == "reasoning" for p in it["content"])
+        reasoning = reasoning_tokens(self.tok, [s])
         return {"input_tokens": self.prompt, "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": len(s.ids),
                 "output_tokens_details": {"reasoning_tokens": reasoning},

@@ -34,7 +34,8 @@ from evinfra.service import Service, Submission
 
 __all__ = ["NO_IMAGES", "Channel", "ChatOutput", "Detokenizer", "Sample", "Stops",
            "chat_reader", "check_model", "joined_text", "max_tokens_for", "outputs",
-           "read_hints", "sse_event", "stop_strings", "submit_one", "whole"]
+           "read_hints", "reasoning_tokens", "sse_event", "stop_strings", "submit_one",
+           "whole"]
 
 NO_IMAGES = "images are not served: the model reads text"
 
@@ -262,6 +263,12 @@ class Sample:
     @property
     def logprobs(self) -> LogprobReader | None:
         return self.channel.logprobs
+
+
+def reasoning_tokens(tok: Tokenizer, samples: Sequence[Sample]) -> int:
+    """The samples' reasoning in tokens, as the tokenizer reads its text (the usage's
+    ``reasoning_tokens`` of the chat and Responses APIs)."""
+    return sum(len(tok.encode(s.out.reasoning)) for s in samples if s.out is not None)
 
 
 async def outputs(service: Service, tok: Tokenizer, sample: Sample, rule: Stops,

@@ -1,0 +1,137 @@
+"""Simulator cost in CPU instructions, this checkout beside another, measured in one run.
+
+    python -m bench.instructions [--seconds 600] [--against REV]
+
+Wall time on a shared machine varies by 15-40 % between identical runs of ``bench.sim``,
+more than most changes to the simulator's cost. The instructions a run executes do not
+(within 0.1 %, with a fixed ``PYTHONHASHSEED``): this counts them with valgrind (cachegrind
+without its cache model) for ``bench.sim``'s 9-node ``cc`` run of ``--seconds`` simulated
+seconds, less those of a process that only imports and loads the config. With ``--against``
+the same is counted in a temporary worktree of REV, all processes at once, and the ratio
+printed. Counts compare when both runs played the same requests (a change that keeps the
+simulation byte-equal); otherwise compare the instructions per request. Under valgrind a run
+takes about 40 times its native time: 600 simulated seconds, about two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+_REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
+
+
+class Count(NamedTuple):
+    """One checkout's run: requests played and instructions net of start-up."""
+
+    label: str
+    requests: int
+    instructions: int
+
+
+# What valgrind runs, in the checkout measured (which need not have this file): bench.sim's
+# run, or with 0 seconds only its imports and the config.
+_CHILD = """
+import logging, sys
+import structlog
+from bench.sim import run
+from evinfra.config import load_config
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+seconds = float(sys.argv[1])
+if seconds > 0:
+    print("requests", run(9, 126, seconds)[0])
+else:
+    load_config("etc/cluster.toml")
+    print("requests 0")
+"""
+
+
+def _start(root: Path, seconds: float) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(root))
+    cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+           sys.executable, "-c", _CHILD, str(seconds)]
+    return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _read(proc: subprocess.Popen) -> tuple[int, int]:
+    """Requests and instructions of a finished child."""
+    out, err = proc.communicate()
+    refs, requests = _REFS.search(err), re.search(r"requests (\d+)", out)
+    if proc.returncode != 0 or refs is None or requests is None:
+        said = [line for line in err.splitlines() if line and not line.startswith("==")]
+        raise SystemExit(f"bench.instructions: a run failed (exit {proc.returncode}): "
+                         f"{said[-1] if said else 'no output'}")
+    return int(requests.group(1)), int(refs.group(1).replace(",", ""))
+
+
+def measure(roots: dict[str, Path], seconds: float) -> list[Count]:
+    """Each checkout's run and start-up, all under valgrind at once. Byte code is compiled
+    first: a fresh worktree's first run would count compiling the modules it imports."""
+    for root in roots.values():
+        subprocess.run([sys.executable, "-m", "compileall", "-q", "evinfra", "bench"], cwd=root,
+                       check=True, capture_output=True)
+    procs = {label: (_start(root, seconds), _start(root, 0)) for label, root in roots.items()}
+    try:
+        counts = []
+        for label, (run, startup) in procs.items():
+            requests, total = _read(run)
+            counts.append(Count(label, requests, total - _read(startup)[1]))
+        return counts
+    finally:  # one failed: the others stop too
+        for proc in (p for pair in procs.values() for p in pair):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=600.0,
+                    help="simulated seconds of the 9-node cc run (default 600)")
+    ap.add_argument("--against", metavar="REV", help="also count this git revision")
+    args = ap.parse_args(argv)
+    if args.seconds <= 0:
+        raise SystemExit("bench.instructions: --seconds must be positive")
+    if shutil.which("valgrind") is None:
+        raise SystemExit("bench.instructions: needs valgrind (apt-get install valgrind)")
+    here = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="evinfra-bench-") as tmp:
+        roots = {"this checkout": here}
+        if args.against is not None:
+            other = Path(tmp) / "against"
+            add = subprocess.run(["git", "-C", str(here), "worktree", "add", "--detach",
+                                  str(other), args.against], capture_output=True, text=True)
+            if add.returncode != 0:
+                why = add.stderr.strip().splitlines() or [f"git exit {add.returncode}"]
+                raise SystemExit(f"bench.instructions: cannot check out {args.against}: "
+                                 f"{why[-1]}")
+            roots[args.against] = other
+        try:
+            counts = measure(roots, args.seconds)
+        finally:
+            if args.against is not None:
+                subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force",
+                                str(roots[args.against])], capture_output=True)
+    print(f"cc, 126 agents, 9 nodes, {args.seconds:g} simulated seconds; instructions net of "
+          "start-up")
+    print(f"{'checkout':<16}{'requests':>10}{'instructions':>18}{'per request':>14}")
+    for c in counts:
+        print(f"{c.label:<16}{c.requests:>10}{c.instructions:>18,}"
+              f"{c.instructions / max(c.requests, 1):>14,.0f}")
+    if len(counts) == 2:
+        mine, theirs = counts
+        same = "same requests" if mine.requests == theirs.requests else "different requests"
+        print(f"ratio {mine.instructions / theirs.instructions:.4f} ({same}; per request "
+              f"{mine.instructions * theirs.requests / (theirs.instructions * mine.requests):.4f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""``python -m bench.instructions``: the simulator's instruction count, through its main."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from bench.instructions import main
+
+
+def test_a_short_run_is_counted_net_of_start_up(capsys) -> None:
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    main(["--seconds", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("cc, 126 agents, 9 nodes, 3 simulated seconds")
+    label, requests, instructions, per_request = out[2].rsplit(maxsplit=3)
+    assert label == "this checkout"
+    assert int(requests) > 0
+    net = int(instructions.replace(",", ""))
+    # Net of start-up (about 3e9 instructions), a few seconds' play is far less.
+    assert 0 < net < 2_000_000_000
+    assert abs(int(per_request.replace(",", "")) - net / int(requests)) <= 1
+
+
+def test_bad_arguments_are_one_line_errors() -> None:
+    with pytest.raises(SystemExit, match="--seconds must be positive"):
+        main(["--seconds", "0"])
+    if shutil.which("valgrind") is not None:
+        with pytest.raises(SystemExit, match="cannot check out no-such-rev"):
+            main(["--against", "no-such-rev"])

@@ -4,9 +4,10 @@
 
 Wall time on a shared machine varies by 15-40 % between identical runs of ``bench.sim``,
 more than most changes to the simulator's cost. The instructions a run executes do not
-(within 0.1 %, with a fixed ``PYTHONHASHSEED``): this counts them with valgrind (cachegrind
-without its cache model) for ``bench.sim``'s 9-node ``cc`` run of ``--seconds`` simulated
-seconds, less those of a process that only imports and loads the config. With ``--against``
+(the same code in two checkouts: 0.05 % apart over 600 simulated seconds, 0.2 % over 60,
+with a fixed ``PYTHONHASHSEED``): this counts them with valgrind (cachegrind without its
+cache model) for ``bench.sim``'s 9-node ``cc`` run of ``--seconds`` simulated seconds, less
+those of a process that only imports and loads the config. With ``--against``
 the same is counted in a temporary worktree of REV, all processes at once, and the ratio
 printed. Counts compare when both runs played the same requests (a change that keeps the
 simulation byte-equal); otherwise compare the instructions per request. Under valgrind a run

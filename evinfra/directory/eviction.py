@@ -118,9 +118,13 @@ class HostEvictionOrder:
     def _move(blocks: list[BlockHash], src: OrderedDict[BlockHash, None],
               dst: OrderedDict[BlockHash, None],
               arrange: Callable[[list[BlockHash]], list[BlockHash]] | None) -> None:
-        """The blocks ``src`` holds join ``dst`` as its newest, in ``arrange``'s order."""
+        """The blocks ``src`` holds join ``dst`` as its newest, in ``arrange``'s order.
+        Usually none does (a hinted block is rarely in host memory yet): a C scan that
+        stops at the first one tells, before a filter that calls ``__contains__`` per block."""
+        if src.keys().isdisjoint(blocks):
+            return
         moving = list(filter(src.__contains__, blocks))
-        if arrange is not None and moving:
+        if arrange is not None:
             moving = arrange(moving)
         for h in moving:
             del src[h]

@@ -316,22 +316,32 @@ class PrefixTree:
         raise TypeError(f"not a KV event: {event!r}")
 
     def store(self, node: int, hashes: Sequence[BlockHash], parent: BlockHash | None,
-              medium: str | None, *, block_size: int | None = None) -> None:
+              medium: str | None, *, block_size: int | None = None,
+              through: bool = False) -> None:
+        """Apply a ``BlockStored``. With ``through``, the event is a GPU store followed by an
+        identical one in host memory (an engine's write-through): both are applied, and
+        counted, in one pass over the blocks."""
         tier = Tier.from_medium(medium)
         if tier is None:
             self._count("untracked_medium", medium=medium)
             return
-        if block_size is not None and block_size != self.page_size:
-            self._count("block_size_mismatch", block_size=block_size, page_size=self.page_size)
+        events = 2 if through else 1
+        # A chained hash cannot repeat within one path: such an event is corrupt. Storing a
+        # block twice is idempotent, so it is applied and counted. (The host event's parent
+        # is unknown only if the GPU event did not store it.)
+        duplicate = len(hashes) > 1 and len(set(hashes)) != len(hashes)
+        orphan = parent is not None and parent not in self._slot
+        for second in range(events):
+            if block_size is not None and block_size != self.page_size:
+                self._count("block_size_mismatch", block_size=block_size,
+                            page_size=self.page_size)
+            if orphan and not (second and parent in hashes):
+                self._count("unknown_parent", node=self._names[node], parent=parent)
+            if duplicate:
+                self._count("duplicate_hash", node=self._names[node])
         slot, free, table = self._slot, self._free, self._hash
-        if parent is not None and parent not in slot:
-            self._count("unknown_parent", node=self._names[node], parent=parent)
-        if len(hashes) > 1 and len(set(hashes)) != len(hashes):
-            # A chained hash cannot repeat within one path: the event is corrupt. Storing a
-            # block twice is idempotent, so apply it and count it.
-            self._count("duplicate_hash", node=self._names[node])
         w, l2, l1, either = self._bits_of(node)
-        bits = either | (l1 if tier is Tier.L1 else l2)
+        bits = either | (l1 | l2 if through else l1 if tier is Tier.L1 else l2)
         words = self._bits[w]
         get = slot.get
         top, cap = self._top, len(table)
@@ -356,7 +366,7 @@ class PrefixTree:
                     slot[h] = s
             words[s] |= bits
         self._top = top
-        self.stats.blocks_stored += len(hashes)
+        self.stats.blocks_stored += events * len(hashes)
 
     def remove(self, node: int, hashes: Iterable[BlockHash], medium: str | None) -> list[BlockHash]:
         tier = Tier.from_medium(medium)

@@ -1,6 +1,6 @@
 import pytest
 
-from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from evinfra.core.types import Phase, Tier
 from evinfra.directory import Directory
 
@@ -121,6 +121,56 @@ def test_an_event_finds_blocks_beside_the_last_ones_slot_or_by_hash(d: Directory
     assert (d.tree.held(2), d.tree.held(2, Tier.L1), d.tree.held(2, Tier.L2)) == (4, 3, 2)
     assert d.summary()["nodes"]["c"] | {"phase": None} == {
         "phase": None, "blocks": 4, "host_blocks": 2, "positive_count_blocks": 0, "branches": 0}
+
+
+def test_a_batch_applies_a_store_and_its_write_through_as_the_events_one_by_one(logs) -> None:
+    """A GPU store followed by the same blocks' host store is one pass over the blocks: the
+    tree, the counts it zeroes and the tolerated-event counters come out as if each event
+    were applied alone, corrupt pairs included."""
+    def batch(*events):
+        return KVEventBatch(0.0, list(events))
+
+    runs = [
+        [stored([1, 2, 3]), stored([1, 2, 3], "CPU_PINNED")],
+        [stored([4, 5], parent=3), stored([4, 5], "CPU_PINNED", parent=3),  # a pair
+         stored([6], parent=5), stored([7], "CPU_PINNED", parent=5),  # other blocks
+         stored([8]), stored([8], "DISK"),  # an untracked second tier
+         stored([9], "CPU_PINNED"), stored([9])],  # host first: not a write-through
+        [stored([10, 11, 10], parent=99), stored([10, 11, 10], "CPU_PINNED", parent=99),
+         stored([21, 22], parent=21), stored([21, 22], "CPU_PINNED", parent=21),
+         BlockStored([30], None, [0] * 16, 16, medium="GPU"),
+         BlockStored([30], None, [0] * 16, 16, medium="CPU_PINNED")],
+        [BlockRemoved([2, 3, 5], "GPU"), BlockRemoved([1, 4], "CPU_PINNED")],
+    ]
+    one, paired = Directory({"a": Phase.PREFILL}, 4), Directory({"a": Phase.PREFILL}, 4)
+    for d in (one, paired):
+        d.step("x", list(range(12)))
+        d.place("x", "a")
+    folded = []
+    store = paired.tree.store
+
+    def spy(*args, through=False, **kw):
+        folded.append(through)
+        return store(*args, through=through, **kw)
+
+    paired.tree.store = spy
+    for events in runs:
+        for e in events:
+            one.apply("a", e)
+        paired.apply_batch("a", batch(*events))
+        paired.check_invariants()
+        assert paired.tree.stats == one.tree.stats
+        for h in range(32):
+            assert paired.tree.tiers(h, 0) == one.tree.tiers(h, 0), h
+    assert one.tree.stats.blocks_stored == 27
+    s = paired.tree.stats
+    assert (s.duplicate_hash, s.unknown_parent, s.block_size_mismatch, s.untracked_medium) \
+        == (2, 3, 2, 1)  # parent 21: unknown to the GPU event only
+    assert folded.count(True) == 5  # the five write-through pairs, and nothing else
+    assert paired.branches.counts(0) == one.branches.counts(0)
+    assert paired.take_hints("a") == one.take_hints("a")
+    paired.apply_batch("zz", batch(stored([1]), stored([1], "CPU_PINNED")))  # unknown node
+    assert paired.tree.stats.unknown_node == 2
 
 
 @pytest.mark.parametrize("nodes", [3, 30])

@@ -38,7 +38,8 @@ class DecodeSide:
             log.warning("fake_engine_duplicate_order", node=self.node, request=order.request)
             return
         out, finish = self.cluster.outputs.plan(order.request, order.sampling)
-        d = DecodeRecord(order, self.config.page_size, out, finish)
+        d = DecodeRecord(order, self.config.page_size, out, finish,
+                         self._progress.iterations(len(out)))
         status = self.cluster.bind(d.request, d.source, self.node)
         if status is None:
             self._out.append(RequestFailed(d.request, self.node, now,
@@ -181,8 +182,7 @@ class DecodeSide:
             run = self._run = Run(now, self.truth.decode(len(self._running), ctx),
                                   list(self._running))
         if batched:
-            left = self._progress.iterations_left
-            run.planned = run.done + min(left(d.iters, len(d.out)) for d in run.batch)
+            run.planned = run.done + max(0, min([d.need - d.iters for d in run.batch]))
         else:
             run.planned = run.done + 1
         self._busy, self._was_busy, self._prefilled = "decode", True, False
@@ -212,15 +212,16 @@ class DecodeSide:
         stream = self.config.streaming == "iteration"
         accepted, finished = 0, []
         for d in run.batch:
-            n = len(d.out)
-            before = produced(d.iters, n)
             d.iters += k
-            after = produced(d.iters, n)
-            accepted += after - before
-            if after >= n:
+            if d.iters >= d.need:
+                after = len(d.out)
                 finished.append(d)
-            elif stream and after > d.emitted:
-                self._tokens(d, now, after)
+            else:
+                after = produced(d.iters, len(d.out))
+                if stream and after > d.emitted:
+                    self._tokens(d, now, after)
+            accepted += after - d.made
+            d.made = after
         self._out.append(IterationReport(self.node, run.start + run.done * run.d, run.d,
                                          batch=run.B, t_fwd=self.config.t_fwd,
                                          accepted=accepted, count=k))

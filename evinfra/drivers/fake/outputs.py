@@ -101,7 +101,6 @@ class DecodeProgress:
     def produced(self, iters: int, n_out: int) -> int:
         return min(n_out, 1 + iters * self.milli // 1000)
 
-    def iterations_left(self, iters: int, n_out: int) -> int:
-        """Iterations until a request that has run ``iters`` produces all ``n_out`` tokens."""
-        need = -(-(n_out - 1) * 1000 // self.milli)
-        return max(0, need - iters)
+    def iterations(self, n_out: int) -> int:
+        """Iterations after which a request has produced all ``n_out`` tokens."""
+        return -(-(n_out - 1) * 1000 // self.milli)

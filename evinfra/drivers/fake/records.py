@@ -65,13 +65,15 @@ class DecodeState(enum.Enum):
 
 
 class DecodeRecord:
-    """A decode order: its output is fixed on arrival (``out``, ``finish``); ``iters`` decode
-    iterations run so far, ``emitted`` tokens streamed."""
+    """A decode order: its output is fixed on arrival (``out``, ``finish``), and so is
+    ``need``, the decode iterations that produce it; ``iters`` iterations run so far, ``made``
+    tokens produced by them (the first token included), ``emitted`` tokens streamed."""
 
     __slots__ = ("order", "request", "source", "tokens", "path", "n_in", "out", "finish",
-                 "state", "locked", "reserved", "iters", "emitted", "timer")
+                 "state", "locked", "reserved", "need", "iters", "made", "emitted", "timer")
 
-    def __init__(self, order: DecodeOrder, page: int, out: list[int], finish: str) -> None:
+    def __init__(self, order: DecodeOrder, page: int, out: list[int], finish: str,
+                 need: int) -> None:
         self.order = order
         self.request = order.request
         self.source = order.source
@@ -83,7 +85,9 @@ class DecodeRecord:
         self.state = DecodeState.WAIT_KV
         self.locked = 0
         self.reserved = 0
+        self.need = need
         self.iters = 0
+        self.made = min(len(out), 1)
         self.emitted = 0
         self.timer: Timer | None = None
 

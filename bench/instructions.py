@@ -121,18 +121,29 @@ def main(argv: list[str] | None = None) -> None:
             if args.against is not None:
                 subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force",
                                 str(roots[args.against])], capture_output=True)
-    print(f"cc, 126 agents, 9 nodes, {args.seconds:g} simulated seconds; instructions net of "
-          "start-up")
-    print(f"{'checkout':<16}{'requests':>10}{'instructions':>18}{'per request':>14}")
+    print("\n".join(report(args.seconds, counts)))
+
+
+def report(seconds: float, counts: list[Count]) -> list[str]:
+    """The printed table, and with two counts their ratio (per request too when both runs
+    played some)."""
+    lines = [f"cc, 126 agents, 9 nodes, {seconds:g} simulated seconds; instructions net of "
+             "start-up",
+             f"{'checkout':<16}{'requests':>10}{'instructions':>18}{'per request':>14}"]
     for c in counts:
-        print(f"{c.label:<16}{c.requests:>10}{c.instructions:>18,}"
-              f"{c.instructions / max(c.requests, 1):>14,.0f}")
+        lines.append(f"{c.label:<16}{c.requests:>10}{c.instructions:>18,}"
+                     f"{c.instructions / max(c.requests, 1):>14,.0f}")
     if len(counts) == 2:
         mine, theirs = counts
-        same = "same requests" if mine.requests == theirs.requests else "different requests"
-        print(f"ratio {mine.instructions / theirs.instructions:.4f} ({same}; per request "
-              f"{mine.instructions * theirs.requests / (theirs.instructions * mine.requests):.4f})")
-
+        ratio = f"ratio {mine.instructions / theirs.instructions:.4f}"
+        if mine.requests and theirs.requests:
+            same = "same requests" if mine.requests == theirs.requests else "different requests"
+            per = mine.instructions * theirs.requests / (theirs.instructions * mine.requests)
+            ratio += f" ({same}; per request {per:.4f})"
+        else:
+            ratio += " (a run played no request: no ratio per request)"
+        lines.append(ratio)
+    return lines
 
 if __name__ == "__main__":
     main()

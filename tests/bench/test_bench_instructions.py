@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from bench.instructions import main
+from bench.instructions import Count, main, report
 
 
 def test_a_short_run_is_counted_net_of_start_up(capsys) -> None:
@@ -30,3 +30,11 @@ def test_bad_arguments_are_one_line_errors() -> None:
     if shutil.which("valgrind") is not None:
         with pytest.raises(SystemExit, match="cannot check out no-such-rev"):
             main(["--against", "no-such-rev"])
+
+
+def test_the_ratio_per_request_needs_requests_on_both_sides() -> None:
+    both = report(600, [Count("this checkout", 10, 900), Count("HEAD", 12, 1000)])
+    assert both[-1] == "ratio 0.9000 (different requests; per request 1.0800)"
+    none = report(600, [Count("this checkout", 0, 900), Count("HEAD", 12, 1000)])
+    assert none[-1] == "ratio 0.9000 (a run played no request: no ratio per request)"
+    assert none[2].split() == ["this", "checkout", "0", "900", "900"]

@@ -145,5 +145,6 @@ def report(seconds: float, counts: list[Count]) -> list[str]:
         lines.append(ratio)
     return lines
 
+
 if __name__ == "__main__":
     main()

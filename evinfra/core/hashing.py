@@ -57,10 +57,9 @@ def chain_digests(buf: bytes, page_bytes: int, pages: int, prior: bytes | None) 
     page_i)``."""
     digests = []
     sha = hashlib.sha256
-    for i in range(pages):
-        h = sha(prior) if prior is not None else sha()
-        h.update(buf[i * page_bytes : (i + 1) * page_bytes])
-        prior = h.digest()
+    for at in range(0, pages * page_bytes, page_bytes):
+        page = buf[at:at + page_bytes]
+        prior = sha(prior + page if prior is not None else page).digest()
         digests.append(prior)
     return digests
 

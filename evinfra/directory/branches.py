@@ -13,9 +13,9 @@ a release O(k), and nothing ever walks the whole context to diff two sets.
 Eviction hints: every time ``R[b, n]`` crosses zero the table notes the block for node
 ``n``'s next hint, and a block that crosses back before then drops its note (the node's view
 of it is right again), so a driver pushes just the blocks whose count became positive or zero
-since the last hint. The notes are a small dict per node, emptied by each hint: a route's
-counting notes a whole context on a node new to it in one C loop when none of its blocks has
-a note yet, which is the usual case.
+since the last hint. The notes are a small dict per node, emptied by each hint. Usually one
+crossing waits between two hints (a route's counting of a whole context on a node new to it,
+or its release): that one is kept as the list it came as, and a hint hands it on as it is.
 """
 
 from __future__ import annotations
@@ -106,8 +106,11 @@ class BranchTable:
         self._on: list[set[BranchId]] = []
         self._phase: list[Phase] = []
         # Per node, the blocks whose count is on the other side of zero than the last hint
-        # said: True, positive now.
+        # said: True, positive now. Between two hints there is usually one crossing (a path
+        # counted on a node, or released there): it waits as it came, in ``_slice``, and
+        # joins the dict only when a second one comes.
         self._notes: list[dict[BlockHash, bool]] = []
+        self._slice: list[tuple[list[BlockHash], bool] | None] = []
         self._hinted: set[int] = set()  # nodes with notes
         for p in phases:
             self.add_node(p)
@@ -119,6 +122,7 @@ class BranchTable:
         self._on.append(set())
         self._phase.append(phase)
         self._notes.append({})
+        self._slice.append(None)
         return len(self._R) - 1
 
     def phase(self, node: int) -> Phase:
@@ -308,9 +312,14 @@ class BranchTable:
 
     def take_hints(self, node: int) -> HintDelta:
         """Blocks whose count on ``node`` crossed zero since the last call (and not back)."""
+        self._hinted.discard(node)
+        one = self._slice[node]
+        if one is not None:
+            self._slice[node] = None
+            blocks, up = one
+            return HintDelta(blocks, []) if up else HintDelta([], blocks)
         notes = self._notes[node]
         self._notes[node] = {}
-        self._hinted.discard(node)
         pos = [h for h, up in notes.items() if up]
         zero = [h for h, up in notes.items() if not up] if len(pos) < len(notes) else []
         return HintDelta(pos, zero)
@@ -363,7 +372,14 @@ class BranchTable:
         already there is the opposite crossing since the last hint: the two cancel. So the
         notes stay bounded by the blocks the last hint got wrong, whether or not anyone
         takes the hints (a directory without engines)."""
-        notes = self._notes[node]
+        self._hinted.add(node)
+        notes, one = self._notes[node], self._slice[node]
+        if one is not None:
+            self._slice[node] = None
+            notes.update(dict.fromkeys(*one))
+        elif not notes:
+            self._slice[node] = (list(blocks), up)
+            return
         if notes.keys().isdisjoint(blocks):
             notes.update(dict.fromkeys(blocks, up))
         else:
@@ -371,7 +387,6 @@ class BranchTable:
             for h in blocks:
                 if pop(h, None) is None:
                     notes[h] = up
-        self._hinted.add(node)
 
     def _trim(self, b: _Branch, node: int, keep: int) -> None:
         """``Count(β, n, C[β, n] ∩ π_new)`` where ``π_new`` shares ``keep`` leading blocks."""

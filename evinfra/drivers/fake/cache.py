@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, deque
+from itertools import chain, islice
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -357,17 +358,32 @@ class NodeCache:
         held, order, removed = self._seg_of, self.order, []
         while len(removed) < blocks:
             taken: dict[_Seg, int] = {}
-            batch = []
+            batch: list[BlockHash] = []
             need = blocks - len(removed)
-            for h in order.victims():
+            victims = order.victims()
+            while (h := next(victims, None)) is not None:
                 seg = held[h]
                 t = taken.get(seg, 0)
-                if seg.children or seg.hashes[-1 - t] != h:
+                hashes = seg.hashes
+                if seg.children or hashes[-1 - t] != h:
                     if batch:
                         break
                     continue
-                taken[seg] = t + 1
+                # A segment joins the order tail first, so the blocks before ``h`` usually
+                # come next: compare as many as may be taken in one go.
+                end = len(hashes) - t - 1
+                run = hashes[max(0, end - (need - len(batch) - 1)):end][::-1]
+                after = list(islice(victims, len(run)))
+                same = 0
+                if after == run:
+                    same = len(run)
+                else:
+                    while same < len(after) and after[same] == run[same]:
+                        same += 1
+                    victims = chain(after[same:], victims)
+                taken[seg] = t + 1 + same
                 batch.append(h)
+                batch += run[:same]
                 if len(batch) == need:
                     break
             if not batch:

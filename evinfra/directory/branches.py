@@ -349,7 +349,13 @@ class BranchTable:
         if added == len(hashes):
             self._crossed(node, hashes, True)
         elif added:
-            self._crossed(node, [h for h in hashes if R[h] == 1], True)
+            # Counts do not grow along a path (a branch that counts a block counts its
+            # prefix), so the blocks now at one are usually a path's tail: checked in a C
+            # loop. Holes (a dict), or anything else, take the filter.
+            ones = hashes[len(hashes) - added:] if type(hashes) is list else []
+            if list(map(R.__getitem__, ones)).count(1) != added:
+                ones = [h for h in hashes if R[h] == 1]
+            self._crossed(node, ones, True)
 
     def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
         """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is

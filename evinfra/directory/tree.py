@@ -368,19 +368,21 @@ class PrefixTree:
         self._top = top
         self.stats.blocks_stored += events * len(hashes)
 
-    def remove(self, node: int, hashes: Iterable[BlockHash], medium: str | None) -> list[BlockHash]:
+    def remove(self, node: int, hashes: Sequence[BlockHash], medium: str | None) -> list[BlockHash]:
         tier = Tier.from_medium(medium)
         if tier is None:
             self._count("untracked_medium", medium=medium)
             return []
         w, l2, l1, either = self._bits_of(node)
         bit, other = (l1, l2) if tier is Tier.L1 else (l2, l1)
+        # The masks that clear the tier's bit, and it and the either-tier bit.
+        keep_tier, keep_none = ~bit, ~(bit | either)
         slot, table = self._slot, self._hash
         words, get = self._bits[w], slot.get
         single = len(self._bits) == 1
         lost: list[BlockHash] = []
         freed: list[int] = []
-        removed = 0
+        removed = len(hashes)
         top = self._top
         s = 0
         for h in hashes:
@@ -390,12 +392,12 @@ class PrefixTree:
             m = words[s]
             if not m & bit:
                 self._count("unknown_removal", node=self._names[node], block=h)
+                removed -= 1
                 continue
-            removed += 1
             if m & other:
-                words[s] = m & ~bit
+                words[s] = m & keep_tier
                 continue
-            m &= ~(bit | either)
+            m &= keep_none
             words[s] = m
             lost.append(h)
             if not m and (single or self._unused(s)):

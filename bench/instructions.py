@@ -12,6 +12,16 @@ the same is counted in a temporary worktree of REV, all processes at once, and t
 printed. Counts compare when both runs played the same requests (a change that keeps the
 simulation byte-equal); otherwise compare the instructions per request. Under valgrind a run
 takes about 40 times its native time: 600 simulated seconds, about two minutes.
+
+Two caveats:
+
+* the host tiers fill after about 1,000 simulated seconds: the 600-second run evicts no
+  host block, the 1,800-second one asks to evict about 640,000. A change to host
+  eviction needs ``--seconds 1800`` (about twelve minutes);
+* valgrind's CPU has no SHA extensions, so SHA-256 runs in software there: about 13 % of
+  the instructions of a 300-second run (callgrind), where ``chain_digests`` takes about
+  3 % of a native run (py-spy). A change to hashing reads larger in counts than in wall
+  time.
 """
 
 from __future__ import annotations

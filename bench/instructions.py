@@ -1,13 +1,14 @@
 """Simulator cost in CPU instructions, this checkout beside another, measured in one run.
 
-    python -m bench.instructions [--seconds 600] [--against REV]
+    python -m bench.instructions [--seconds 600] [--nodes 9|64] [--against REV]
 
 Wall time on a shared machine varies by 15-40 % between identical runs of ``bench.sim``,
 more than most changes to the simulator's cost. The instructions a run executes do not
 (the same code in two checkouts: 0.05 % apart over 600 simulated seconds, 0.2 % over 60,
 with a fixed ``PYTHONHASHSEED``): this counts them with valgrind (cachegrind without its
-cache model) for ``bench.sim``'s 9-node ``cc`` run of ``--seconds`` simulated seconds, less
-those of a process that only imports and loads the config. With ``--against``
+cache model) for one of ``bench.sim``'s ``cc`` runs (9 nodes and 126 agents, or with
+``--nodes 64`` 64 nodes and 640 agents) of ``--seconds`` simulated seconds, less those of a
+process that only imports and loads the config. With ``--against``
 the same is counted in a temporary worktree of REV, all processes at once, and the ratio
 printed. Counts compare when both runs played the same requests (a change that keeps the
 simulation byte-equal); otherwise compare the instructions per request. Under valgrind a run
@@ -36,6 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from bench.sim import RUNS
+
 _REFS = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 
@@ -55,19 +58,22 @@ import structlog
 from bench.sim import run
 from evinfra.config import load_config
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-seconds = float(sys.argv[1])
+seconds, nodes, agents = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 if seconds > 0:
-    print("requests", run(9, 126, seconds)[0])
+    print("requests", run(nodes, agents, seconds)[0])
 else:
     load_config("etc/cluster.toml")
     print("requests 0")
 """
 
 
-def _start(root: Path, seconds: float) -> subprocess.Popen:
+AGENTS = dict(RUNS)  # nodes -> agents
+
+
+def _start(root: Path, seconds: float, nodes: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(root))
     cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-           sys.executable, "-c", _CHILD, str(seconds)]
+           sys.executable, "-c", _CHILD, str(seconds), str(nodes), str(AGENTS[nodes])]
     return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -83,13 +89,14 @@ def _read(proc: subprocess.Popen) -> tuple[int, int]:
     return int(requests.group(1)), int(refs.group(1).replace(",", ""))
 
 
-def measure(roots: dict[str, Path], seconds: float) -> list[Count]:
+def measure(roots: dict[str, Path], seconds: float, nodes: int = 9) -> list[Count]:
     """Each checkout's run and start-up, all under valgrind at once. Byte code is compiled
     first: a fresh worktree's first run would count compiling the modules it imports."""
     for root in roots.values():
         subprocess.run([sys.executable, "-m", "compileall", "-q", "evinfra", "bench"], cwd=root,
                        check=True, capture_output=True)
-    procs = {label: (_start(root, seconds), _start(root, 0)) for label, root in roots.items()}
+    procs = {label: (_start(root, seconds, nodes), _start(root, 0, nodes))
+             for label, root in roots.items()}
     try:
         counts = []
         for label, (run, startup) in procs.items():
@@ -106,7 +113,9 @@ def measure(roots: dict[str, Path], seconds: float) -> list[Count]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=600.0,
-                    help="simulated seconds of the 9-node cc run (default 600)")
+                    help="simulated seconds of the cc run (default 600)")
+    ap.add_argument("--nodes", type=int, choices=sorted(AGENTS), default=9,
+                    help="bench.sim's 9-node run (126 agents, default) or 64-node one (640)")
     ap.add_argument("--against", metavar="REV", help="also count this git revision")
     args = ap.parse_args(argv)
     if args.seconds <= 0:
@@ -126,19 +135,19 @@ def main(argv: list[str] | None = None) -> None:
                                  f"{why[-1]}")
             roots[args.against] = other
         try:
-            counts = measure(roots, args.seconds)
+            counts = measure(roots, args.seconds, args.nodes)
         finally:
             if args.against is not None:
                 subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force",
                                 str(roots[args.against])], capture_output=True)
-    print("\n".join(report(args.seconds, counts)))
+    print("\n".join(report(args.seconds, counts, args.nodes)))
 
 
-def report(seconds: float, counts: list[Count]) -> list[str]:
+def report(seconds: float, counts: list[Count], nodes: int = 9) -> list[str]:
     """The printed table, and with two counts their ratio (per request too when both runs
     played some)."""
-    lines = [f"cc, 126 agents, 9 nodes, {seconds:g} simulated seconds; instructions net of "
-             "start-up",
+    lines = [f"cc, {AGENTS[nodes]} agents, {nodes} nodes, {seconds:g} simulated seconds; "
+             "instructions net of start-up",
              f"{'checkout':<16}{'requests':>10}{'instructions':>18}{'per request':>14}"]
     for c in counts:
         lines.append(f"{c.label:<16}{c.requests:>10}{c.instructions:>18,}"

@@ -27,6 +27,10 @@ from evinfra.sim.harness import RunSpec, simulate
 from evinfra.workloads import Phase, make_workload
 
 
+# The two runs: nodes and agents.
+RUNS = ((9, 126), (64, 640))
+
+
 def run(nodes: int, agents: int, seconds: float) -> tuple[int, float, int, int]:
     """Requests played, wall seconds, clock events and KV block events."""
     config = load_config("etc/cluster.toml")
@@ -55,7 +59,7 @@ def main() -> None:
     print(f"{'nodes':>6}{'agents':>8}{'requests':>10}{'wall s':>9}{'req/s':>9}{'sim/wall':>10}"
           f"{'clock events/s':>16}{'blocks/req':>12}{'us/block':>10}"
           "   bar >= 1,000 req/s, goal 10,000")
-    for nodes, agents in ((9, 126), (64, 640)):
+    for nodes, agents in RUNS:
         n, wall, events, blocks = run(nodes, agents, seconds)
         print(f"{nodes:>6}{agents:>8}{n:>10}{wall:>9.1f}{n / wall:>9.0f}{seconds / wall:>9.0f}x"
               f"{events / wall:>16.0f}{blocks / n:>12.0f}{wall / blocks * 1e6:>10.2f}")

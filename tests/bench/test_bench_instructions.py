@@ -32,6 +32,14 @@ def test_bad_arguments_are_one_line_errors() -> None:
             main(["--against", "no-such-rev"])
 
 
+def test_the_64_node_run_is_bench_sims_with_its_agents(capsys) -> None:
+    counts = [Count("this checkout", 10, 900)]
+    assert report(600, counts, 64)[0].startswith("cc, 640 agents, 64 nodes, 600 simulated")
+    with pytest.raises(SystemExit):
+        main(["--nodes", "10"])
+    assert "invalid choice: 10 (choose from 9, 64)" in capsys.readouterr().err
+
+
 def test_the_ratio_per_request_needs_requests_on_both_sides() -> None:
     both = report(600, [Count("this checkout", 10, 900), Count("HEAD", 12, 1000)])
     assert both[-1] == "ratio 0.9000 (different requests; per request 1.0800)"

@@ -97,6 +97,12 @@ def test_many_nodes_take_more_words_of_holder_bits() -> None:
     m = d.match([1, 2])
     assert m.own[7] == 2 and m.own[69] == 1 and m.union == 2
     d.check_invariants()
+    # A block whose holders sit in other words stays until the last one lets it go.
+    d.apply("n7", BlockRemoved([1], "GPU"))
+    assert d.tree.holders(1) == [69] and len(d.tree) == 2
+    d.apply("n69", BlockRemoved([1], "GPU"))
+    assert d.tree.holders(1) == [] and len(d.tree) == 1
+    d.check_invariants()
 
 
 def test_an_event_finds_blocks_beside_the_last_ones_slot_or_by_hash(d: Directory) -> None:

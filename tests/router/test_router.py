@@ -118,6 +118,25 @@ def test_decode_binding_needs_room_then_prefers_fewest_requests() -> None:
     assert r.prefill_started("b", route.node, 0.3).node == "D1"  # room, and fewer requests
 
 
+def test_decode_room_counts_bindings_until_admitted_or_over() -> None:
+    """A node's reported room less what the requests bound there and not admitted yet need
+    (1,100 tokens each here: 1,000 in, 100 out)."""
+    r = make()
+    r.on_state(NodeState("D1", 0.0, "decode", kv_room=2000))
+    r.on_state(NodeState("D2", 0.0, "decode", kv_room=100_000))
+
+    def bind(rid: str, t: float) -> str:
+        route = r.route(req(rid, rng.integers(0, 50_000, size=1000, dtype=np.uint32)), t)
+        return r.prefill_started(rid, route.node, t).node
+
+    assert bind("a", 0.1) == "D1"  # a tie on requests: by name
+    assert bind("b", 0.2) == "D2"  # D1 has 900 left
+    r.decode_admitted("a", "D1")
+    assert bind("c", 0.3) == "D1"  # 1 request each, D1's room is whole again
+    r.finished("c")
+    assert bind("d", 0.4) == "D1"  # c gave its room back
+
+
 def test_decode_ties_go_to_the_node_holding_the_prefix_in_gpu_memory() -> None:
     """Fig. 4d: a branch keeps its decode node while the nodes tie on requests, so each
     step sends only new KV; without a prefix anywhere, ties go by name."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, deque
-from itertools import chain, islice
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -373,14 +372,14 @@ class NodeCache:
                 # come next: compare as many as may be taken in one go.
                 end = len(hashes) - t - 1
                 run = hashes[max(0, end - (need - len(batch) - 1)):end][::-1]
-                after = list(islice(victims, len(run)))
+                after = list(itertools.islice(victims, len(run)))
                 same = 0
                 if after == run:
                     same = len(run)
                 else:
                     while same < len(after) and after[same] == run[same]:
                         same += 1
-                    victims = chain(after[same:], victims)
+                    victims = itertools.chain(after[same:], victims)
                 taken[seg] = t + 1 + same
                 batch.append(h)
                 batch += run[:same]

@@ -33,7 +33,7 @@ import uvloop
 from evinfra.api.tokenizer import ByteTokenizer
 from evinfra.config import parse_config
 from evinfra.core.clock import WallClock
-from evinfra.drivers.base import Sampling
+from evinfra.core.contracts import Sampling
 from evinfra.logs import configure_logging
 from evinfra.service import Service, Submission
 

@@ -31,13 +31,14 @@ from evinfra.baselines import engine_overrides
 from evinfra.config import Config
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
+from evinfra.core.contracts import DecodeOrder, PrefillOrder, Sampling
 from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeState, NodeUp,
                                  PhaseSwitched, PrefillDone, PrefillStarted, RequestDone,
                                  RequestFailed, SplitChanged, TokenLogprobs, TokensOut,
                                  Withdrawn)
 from evinfra.core.types import BranchId, NodeId, Phase, RequestId
 from evinfra.directory import Answer, CarryIndex, ChainIndex, Directory
-from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
+from evinfra.drivers.base import EngineDriver
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError, UnknownBranchError
 from evinfra.planner.planner import Decision, Split
 from evinfra.router.router import DecodeBinding, Held, Refusal, Route, RouteRequest, Router
@@ -180,7 +181,9 @@ class Service:
         if config.cluster.driver == "sglang":
             from evinfra.drivers.sglang import build_drivers
 
-            return cls(config, clock, bus, build_drivers(config, clock, bus))
+            urls = {n.name: n.url for n in config.cluster.nodes}
+            return cls(config, clock, bus,
+                       build_drivers(urls, config.cluster.page_size, clock, bus))
         from evinfra.drivers.fake import FakeCluster
 
         fake = msgspec.structs.replace(config.fake, streaming=stream,

@@ -35,7 +35,7 @@ from evinfra.api.serving import (NO_IMAGES, Sample, chat_reader, check_model, jo
                                  max_tokens_for, sse_event, stop_strings, submit_one, whole)
 from evinfra.api.tokenizer import Tokenizer, continue_final
 from evinfra.api.tool_calls import ToolCall
-from evinfra.drivers.base import Sampling
+from evinfra.core.contracts import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service
 

@@ -29,7 +29,7 @@ import msgspec
 
 from evinfra.api.schemas import StructuredOutputs
 from evinfra.api.tool_calls import ToolCall
-from evinfra.drivers.base import Sampling
+from evinfra.core.contracts import Sampling
 from evinfra.errors import RequestError
 
 __all__ = ["ANY_OBJECT", "ForcedCalls", "Grammar", "check_served", "engine_grammars",

@@ -33,7 +33,7 @@ from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, m
                                  outputs, read_hints, reasoning_tokens, stop_strings, whole)
 from evinfra.api.tokenizer import Tokenizer, continue_final, message_text
 from evinfra.api.tool_calls import ToolCall
-from evinfra.drivers.base import Sampling
+from evinfra.core.contracts import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
 

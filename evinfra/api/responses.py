@@ -43,7 +43,7 @@ from evinfra.api.serving import (Sample, Stops, chat_reader, check_model, joined
                                  submit_one)
 from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
-from evinfra.drivers.base import Sampling
+from evinfra.core.contracts import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service
 

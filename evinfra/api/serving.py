@@ -27,8 +27,8 @@ from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
 from evinfra.api.tool_calls import TaggedCalls, ToolCall
 from evinfra.config import ModelConfig
+from evinfra.core.contracts import Sampling
 from evinfra.core.events import RequestDone, TokenLogprobs
-from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError, RequestError
 from evinfra.service import Service, Submission
 

@@ -33,11 +33,11 @@ from typing import Iterable, Sequence
 
 import msgspec
 
+from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId, PosFloat
 from evinfra.planner.itermodel import FitReport, NodeModel
 from evinfra.planner.planner import Decision, Planner, PlannerConfig, Split
-from evinfra.router.router import NodeLoad
 from evinfra.router.strategy import RouteView, Stateless
 from evinfra.router.ttft import Prediction
 

@@ -46,9 +46,9 @@ from typing import Iterable, Sequence
 import msgspec
 
 from evinfra.baselines.static import StaticPlanner
+from evinfra.core.contracts import NodeLoad
 from evinfra.core.types import NodeId, NonNegFloat, PosFloat, RequestId
 from evinfra.planner.planner import Decision, Split
-from evinfra.router.router import NodeLoad
 from evinfra.router.strategy import RouteView
 from evinfra.router.ttft import Prediction
 

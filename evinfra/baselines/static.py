@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from typing import Iterable, Sequence
 
+from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId
 from evinfra.planner.itermodel import FitReport, NodeModel
 from evinfra.planner.planner import Decision, Split
-from evinfra.router.router import NodeLoad
 
 __all__ = ["StaticPlanner"]
 

@@ -1,6 +1,6 @@
 """The cluster-wide KV directory (paper 4.3, Appendix A.3, Algorithms E.1 and E.2)."""
 
-from evinfra.directory.branches import BranchStep, BranchTable, HintDelta
+from evinfra.directory.branches import BranchStep, BranchTable
 from evinfra.directory.carryover import Answer, CarryIndex, Carried
 from evinfra.directory.chains import ChainIndex, Inferred
 from evinfra.directory.directory import Directory
@@ -15,7 +15,6 @@ __all__ = [
     "CarryIndex",
     "ChainIndex",
     "Directory",
-    "HintDelta",
     "HostEvictionOrder",
     "Inferred",
     "PrefixMatch",

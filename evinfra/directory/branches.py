@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 import msgspec
 import numpy as np
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.hashing import HashedPath, PathHasher
 from evinfra.core.types import BlockHash, BranchId, Phase
 from evinfra.errors import UnknownBranchError
@@ -42,17 +43,6 @@ class BranchStep(msgspec.Struct, frozen=True):
     path: HashedPath
     old_len: int
     """``len(π_old)`` in blocks."""
-
-
-class HintDelta(msgspec.Struct, frozen=True):
-    """Blocks whose count on a node became positive / zero since the last delta, in the
-    order they were noted. With ``replace``, ``positive`` is every block with a positive count
-    on the node and ``zero`` is empty: the engine forgets every other mark (a resync, say of
-    an engine that came back)."""
-
-    positive: list[BlockHash]
-    zero: list[BlockHash]
-    replace: bool = False
 
 
 class _Branch:

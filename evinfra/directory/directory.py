@@ -14,10 +14,11 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.events import BlockStored, KVEvent, KVEventBatch
 from evinfra.core.hashing import HashedPath
 from evinfra.core.types import BlockHash, BranchId, NodeId, Phase, Tier
-from evinfra.directory.branches import BranchStep, BranchTable, HintDelta
+from evinfra.directory.branches import BranchStep, BranchTable
 from evinfra.directory.tree import PrefixMatch, PrefixTree
 from evinfra.errors import ConfigError
 

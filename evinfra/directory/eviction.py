@@ -19,8 +19,8 @@ from collections import OrderedDict, deque
 from itertools import chain, filterfalse, repeat
 from typing import Callable, Container, Iterable, Iterator, Mapping, Sequence
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.types import BlockHash
-from evinfra.directory.branches import HintDelta
 
 __all__ = ["HostEvictionOrder", "eviction_order"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable
 
-from evinfra.directory.branches import HintDelta
+from evinfra.core.contracts import HintDelta
 from evinfra.directory.eviction import HostEvictionOrder
 from evinfra.engine_patch.wire import CountHints
 

@@ -23,7 +23,7 @@ from evinfra.experiments.common import closed, label, system
 from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
-from evinfra.sim.summary import WAIT_LABELS, WAIT_NAMES, Summary
+from evinfra.workloads.summary import WAIT_LABELS, WAIT_NAMES, Summary
 
 __all__ = ["TITLE", "plans", "report"]
 

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import msgspec
 
 from evinfra.experiments.runs import RunOutcome
-from evinfra.sim.summary import Summary
+from evinfra.workloads.summary import Summary
 
 __all__ = ["Cell", "ExperimentReport", "Table", "lower", "higher", "metrics_row", "ratio",
            "write"]

@@ -26,7 +26,7 @@ from evinfra.planner.itermodel import NodeFitter
 from evinfra.service import Service
 from evinfra.sim.control import ControlSummary
 from evinfra.sim.harness import RunSpec, simulate
-from evinfra.sim.summary import Summary, summarise
+from evinfra.workloads.summary import Summary, summarise
 from evinfra.workloads import RunnerStats, make_workload
 
 __all__ = ["RunOutcome", "RunPlan", "run_plans"]

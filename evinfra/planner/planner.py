@@ -17,20 +17,18 @@ suited to prefill, for ``p > |P|`` the decode nodes best suited to it, and it ch
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, Iterable, Protocol, Sequence
+from typing import Annotated, Iterable, Protocol, Sequence
 
 import msgspec
 import numpy as np
 import structlog
 
+from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
 from evinfra.errors import ConfigError
 from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi
 from evinfra.planner.window import SliceWork, Window
-
-if TYPE_CHECKING:
-    from evinfra.router.router import NodeLoad
 
 __all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "SplitPlanner", "plan"]
 

@@ -34,17 +34,17 @@ import msgspec
 import numpy as np
 import structlog
 
+from evinfra.core.contracts import FetchRun, NodeLoad
 from evinfra.core.events import NodeState
 from evinfra.core.hashing import HashedPath
 from evinfra.core.types import BranchId, NodeId, NonNegFloat, Phase, PosFloat, RequestId
 from evinfra.directory import Directory, PrefixMatch
-from evinfra.drivers.base import FetchRun
 from evinfra.planner.itermodel import NodeModel
 from evinfra.router.strategy import (DecodeOption, DecodeStrategy, FewestRequests, Hold,
                                      PrefillStrategy, TTFTStrategy)
 from evinfra.router.ttft import PrefillQueue, Prediction, TTFTConfig, estimate, predict
 
-__all__ = ["DecodeBinding", "Held", "NodeLoad", "Refusal", "Route", "RouteRequest", "Router",
+__all__ = ["DecodeBinding", "Held", "Refusal", "Route", "RouteRequest", "Router",
            "RouterConfig"]
 
 log = structlog.get_logger(__name__)
@@ -79,25 +79,6 @@ class RouteRequest(msgspec.Struct, frozen=True, gc=False):
     reuse: bool = True
     """False: the engine recomputes the whole prompt (its log-probabilities are asked for),
     so no cached prefix counts anywhere and nothing is fetched."""
-
-
-class NodeLoad(msgspec.Struct, frozen=True, gc=False):
-    """A node's load in the router's books, for planners that size the split by load
-    (the baselines' queue-depth, KV-utilisation and TTFT signals)."""
-
-    node: NodeId
-    phase: str
-    queued_tokens: int
-    """Uncached input tokens of requests sent to the node and not launched yet (``U`` of
-    ``Q_n``)."""
-    wait_s: float
-    """Predicted wait before a new request starts on the node (``Ŵ_n`` of E.3 line 8)."""
-    decode_tokens: int
-    """KV tokens (input plus ``max_tokens``) of the requests bound to the node for decode."""
-    kv_capacity: int | None
-    """GPU KV capacity from the node's last report (None before any)."""
-    serving: bool = True
-    """Healthy and not cordoned: it takes new work (once a switch it is in is over)."""
 
 
 class DecodeBinding(msgspec.Struct, frozen=True, gc=False):

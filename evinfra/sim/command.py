@@ -14,7 +14,7 @@ from evinfra.config import Config, load_config
 from evinfra.errors import ConfigError
 from evinfra.sim.harness import RunSpec, simulate
 from evinfra.sim.report import Report, RunInfo, write_report
-from evinfra.sim.summary import summarise
+from evinfra.workloads.summary import summarise
 from evinfra.workloads import (GENERATORS, Phase, make_workload, paper_shift, poisson_arrivals,
                                read_trace, schedule_from_data)
 

@@ -25,8 +25,8 @@ import numpy as np
 from evinfra.config import Config
 from evinfra.core.bus import Bus
 from evinfra.core.clock import VirtualClock
+from evinfra.core.contracts import Sampling
 from evinfra.core.events import RequestDone
-from evinfra.drivers.base import Sampling
 from evinfra.errors import EvinfraError
 from evinfra.service import Service, Submission
 from evinfra.sim.control import ControlRecorder

@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 
 from evinfra.sim.control import ControlSummary
-from evinfra.sim.summary import WAIT_NAMES, Summary
+from evinfra.workloads.summary import WAIT_NAMES, Summary
 from evinfra.workloads import RequestRecord
 
 __all__ = ["Report", "RunInfo", "write_report"]

@@ -15,7 +15,7 @@ import msgspec
 from evinfra.baselines import resolve
 from evinfra.config import Config
 from evinfra.sim.harness import RunSpec, simulate
-from evinfra.sim.summary import Summary, summarise
+from evinfra.workloads.summary import Summary, summarise
 from evinfra.workloads import Workload
 
 __all__ = ["SplitResult", "best", "fixed_split", "sweep_splits"]

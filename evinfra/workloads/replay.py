@@ -17,7 +17,7 @@ Trie replayer). A run has four steps:
    ``unfinished``). Ctrl-C (or SIGTERM) stops at once: sends stop, in-flight requests are cut,
    and what the run has is written (exit 130).
 4. **write** ``requests.jsonl`` (one line per request, as each completes, the cut ones last),
-   ``summary.json`` (:class:`~evinfra.sim.summary.Summary`, the simulator's schema, over the
+   ``summary.json`` (:class:`~evinfra.workloads.summary.Summary`, the simulator's schema, over the
    whole run: first send to the end of the drain) and ``replay.json`` (settings and counters),
    and print the summary on stdout.
 
@@ -46,7 +46,7 @@ from yarl import URL
 
 from evinfra.core.clock import Timer, WallClock
 from evinfra.errors import ConfigError, EvinfraError
-from evinfra.sim.summary import Summary, summarise
+from evinfra.workloads.summary import Summary, summarise
 from evinfra.workloads.arrivals import Arrival, Phase, poisson_arrivals
 from evinfra.workloads.backend import RequestRecord
 from evinfra.workloads.http_backend import Api, HttpBackend, RequestInfo

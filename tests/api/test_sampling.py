@@ -67,7 +67,7 @@ async def test_min_tokens_reaches_the_sglang_body_and_the_fake_engines_keep_it(c
                                                                                service):
     """The fake engines draw an output of at least ``min_tokens``, a stop token ending it
     no earlier, as SGLang's ``min_new_tokens`` does."""
-    from evinfra.drivers.base import Sampling
+    from evinfra.core.contracts import Sampling
     from evinfra.drivers.fake.outputs import OutputPlanner
 
     orders = spy_prefill_orders(service)

@@ -11,8 +11,8 @@ import numpy as np
 from evinfra.config import Config, parse_config
 from evinfra.core.bus import Bus
 from evinfra.core.clock import VirtualClock
+from evinfra.core.contracts import Sampling
 from evinfra.core.events import RequestDone
-from evinfra.drivers.base import Sampling
 from evinfra.service import Service, Submission
 
 FAST = {"c0": 0.001, "c1": 1e-6, "c2": 1e-12, "d0": 0.001, "d1": 0.001, "d2": 1e-5,

@@ -5,10 +5,11 @@ import numpy as np
 from baseline_harness import Sim, config, tokens
 
 from evinfra.baselines.arrow import ArrowConfig, SLOPlanner
+from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import BlockStored, RequestDone
 from evinfra.planner.itermodel import NodeModel
 from evinfra.planner.planner import PlannerConfig, Split
-from evinfra.router.router import NodeLoad, Route, RouteRequest
+from evinfra.router.router import Route, RouteRequest
 
 
 def test_arrow_routes_by_full_input_and_ignores_the_cached_prefix() -> None:

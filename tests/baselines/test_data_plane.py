@@ -6,10 +6,10 @@ import numpy as np
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import VirtualClock
+from evinfra.core.contracts import FetchRun, PrefillOrder, Sampling
 from evinfra.core.events import IterationReport, PrefillDone
 from evinfra.core.hashing import block_hashes
 from evinfra.core.types import Phase
-from evinfra.drivers.base import FetchRun, PrefillOrder, Sampling
 from evinfra.drivers.fake import FakeCluster, FakeEngineConfig
 
 PAGE = 64

@@ -7,9 +7,9 @@ import pytest
 from baseline_harness import Sim, config, tokens
 
 from evinfra.baselines.dynamo import KVRouter, KVRouterConfig, LoadPlanner, LoadPlannerConfig
+from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import PhaseSwitched
 from evinfra.planner.planner import Split
-from evinfra.router.router import NodeLoad
 
 PAGE = 64
 

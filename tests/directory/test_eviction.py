@@ -1,4 +1,5 @@
-from evinfra.directory import HintDelta, HostEvictionOrder, eviction_order
+from evinfra.core.contracts import HintDelta
+from evinfra.directory import HostEvictionOrder, eviction_order
 
 
 def test_eviction_order_zero_counts_first_lru_within_groups() -> None:

@@ -179,7 +179,7 @@ async def test_the_driver_sends_fetch_plans_and_reports_restored_tokens(pair):
     from evinfra.core.clock import WallClock
     from evinfra.core.events import (IterationReport, PrefillDone, PrefillStarted,
                                      RequestFailed, TokensOut)
-    from evinfra.drivers.base import DecodeOrder, FetchRun, PrefillOrder, Sampling
+    from evinfra.core.contracts import DecodeOrder, FetchRun, PrefillOrder, Sampling
     from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
     from evinfra.drivers.sglang.pairs import PairBook
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from planner_fakes import OSWORLD, PUTNAM, TRUTH, Synth, Workload, heterogeneous, make_cluster
 
+from evinfra.core.contracts import NodeLoad
 from evinfra.core.types import qk_pairs
 from evinfra.errors import ConfigError
 from evinfra.planner import Decision, NodeModel, Planner, PlannerConfig, SliceWork, Split, plan
-from evinfra.router.router import NodeLoad
 
 CC = Workload(rate=3.0, t_uc=(2e3, 1.2e4), t_c=(2e4, 1.2e5), t_out=(300, 1500), q=160)
 """Coding agents between the two extremes: the best split is 3P6D on nine nodes."""

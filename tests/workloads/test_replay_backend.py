@@ -18,7 +18,7 @@ from aiohttp import web
 
 from evinfra.core.clock import WallClock
 from evinfra.errors import ConfigError, EvinfraError
-from evinfra.sim.summary import Summary
+from evinfra.workloads.summary import Summary
 from evinfra.workloads import AgentRequest
 from evinfra.workloads.http_backend import HttpBackend, render_words
 from evinfra.workloads.replay import plan_from_args, replay

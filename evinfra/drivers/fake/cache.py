@@ -33,10 +33,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.events import BlockRemoved, BlockStored, KVEvent
 from evinfra.core.hashing import held_prefix
 from evinfra.core.types import BlockHash, Tier
-from evinfra.directory.branches import HintDelta
 from evinfra.directory.eviction import HostEvictionOrder
 
 __all__ = ["InsertResult", "NodeCache"]

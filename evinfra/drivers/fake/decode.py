@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import structlog
 
+from evinfra.core.contracts import DecodeOrder
 from evinfra.core.events import IterationReport, RequestFailed, TokensOut
 from evinfra.core.types import RequestId
-from evinfra.drivers.base import DecodeOrder
 from evinfra.drivers.fake.records import DecodeRecord, DecodeState, Run
 
 __all__ = ["DecodeSide"]

@@ -6,9 +6,8 @@ driver only forwards commands; ``start`` and ``stop`` have no I/O to do.
 
 from __future__ import annotations
 
+from evinfra.core.contracts import DecodeOrder, HintDelta, PrefillOrder
 from evinfra.core.types import Phase, RequestId
-from evinfra.directory.branches import HintDelta
-from evinfra.drivers.base import DecodeOrder, PrefillOrder
 from evinfra.drivers.fake.engine import FakeEngine
 
 __all__ = ["FakeDriver"]

@@ -31,28 +31,25 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
+from evinfra.core.contracts import DecodeOrder, HintDelta, PrefillOrder
 from evinfra.core.events import (AllBlocksCleared, KVEvent, NodeDown, NodeState, NodeUp,
                                  PhaseSwitched, PrefillItem, RequestFailed, Withdrawn)
 from evinfra.core.types import Phase, RequestId
-from evinfra.directory.branches import HintDelta
-from evinfra.drivers.base import DecodeOrder, PrefillOrder
 from evinfra.drivers.fake.cache import NodeCache
 from evinfra.drivers.fake.config import FakeEngineConfig
 from evinfra.drivers.fake.decode import DecodeSide
 from evinfra.drivers.fake.kvpublish import KVPublisher
 from evinfra.drivers.fake.outputs import DecodeProgress
+from evinfra.drivers.fake.plane import DataPlane
 from evinfra.drivers.fake.prefill import PrefillSide
 from evinfra.drivers.fake.records import DecodeRecord, DecodeState, PrefillRecord, Run
 from evinfra.drivers.fake.timing import GroundTruth
-
-if TYPE_CHECKING:
-    from evinfra.drivers.fake.cluster import FakeCluster
 
 __all__ = ["FakeEngine"]
 
@@ -64,7 +61,7 @@ class FakeEngine(PrefillSide, DecodeSide):
     and decode sides live in ``prefill.py`` and ``decode.py``."""
 
     def __init__(self, node: str, phase: Phase, config: FakeEngineConfig, clock: Clock,
-                 bus: Bus, cluster: FakeCluster, seed: int) -> None:
+                 bus: Bus, cluster: DataPlane, seed: int) -> None:
         self.node = node
         self.phase = phase
         self.config = config

@@ -17,8 +17,8 @@ import hashlib
 
 import numpy as np
 
+from evinfra.core.contracts import Sampling
 from evinfra.core.events import TokenLogprobs
-from evinfra.drivers.base import Sampling
 
 __all__ = ["DecodeProgress", "OutputPlanner"]
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import structlog
 
+from evinfra.core.contracts import PrefillOrder
 from evinfra.core.events import (IterationReport, PrefillDone, PrefillItem, PrefillStarted,
                                  RequestFailed)
 from evinfra.core.types import Phase, RequestId, Tier
-from evinfra.drivers.base import PrefillOrder
 from evinfra.drivers.fake.records import PrefillRecord
 
 __all__ = ["PrefillSide"]

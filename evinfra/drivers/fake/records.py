@@ -12,8 +12,8 @@ import enum
 import numpy as np
 
 from evinfra.core.clock import Timer
+from evinfra.core.contracts import DecodeOrder, PrefillOrder
 from evinfra.core.hashing import as_tokens
-from evinfra.drivers.base import DecodeOrder, PrefillOrder
 
 __all__ = ["DecodeRecord", "DecodeState", "PrefillRecord", "Run"]
 

@@ -6,7 +6,7 @@ See ``README.md`` beside this file for the module map, the wire facts and the de
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock
@@ -14,16 +14,15 @@ from evinfra.core.types import NodeId
 from evinfra.errors import ConfigError
 
 if TYPE_CHECKING:
-    from evinfra.config import Config
     from evinfra.drivers.base import EngineDriver
 
 __all__ = ["build_drivers", "DriverSettings", "SGLangDriver"]
 
 
-def build_drivers(config: "Config", clock: Clock, bus: Bus,
+def build_drivers(urls: Mapping[NodeId, str], page_size: int, clock: Clock, bus: Bus,
                   settings: "DriverSettings | None" = None) -> "dict[NodeId, EngineDriver]":
-    """One driver per configured node (``[[cluster.nodes]]`` with ``name`` and ``url``),
-    sharing the book that pairs prefills with decodes."""
+    """One driver per node (``urls``: each node's engine base URL, ``[[cluster.nodes]]``'s
+    ``name`` and ``url``), sharing the book that pairs prefills with decodes."""
     try:
         import zmq  # noqa: F401
     except ImportError as exc:
@@ -33,18 +32,17 @@ def build_drivers(config: "Config", clock: Clock, bus: Bus,
     from evinfra.drivers.sglang.driver import SGLangDriver as _Driver
     from evinfra.drivers.sglang.pairs import PairBook
 
-    missing = [n.name for n in config.cluster.nodes if not n.url]
+    missing = [node for node, url in urls.items() if not url]
     if missing:
         raise ConfigError(f"nodes {missing} have no url (the engine's HTTP base URL, e.g. "
                           "http://10.0.0.5:30000)", key="cluster.nodes")
-    bad = [n.url for n in config.cluster.nodes if not n.url.startswith(("http://", "https://"))]
+    bad = [url for url in urls.values() if not url.startswith(("http://", "https://"))]
     if bad:  # caught here, not after the discovery's wait on an address it cannot use
         raise ConfigError(f"node urls {bad} are not http(s) base URLs (e.g. "
                           "http://10.0.0.5:30000)", key="cluster.nodes")
     pairs = PairBook()
-    return {n.name: _Driver(n.name, n.url, clock, bus, pairs, config.cluster.page_size,
-                            settings or _Settings())
-            for n in config.cluster.nodes}
+    return {node: _Driver(node, url, clock, bus, pairs, page_size, settings or _Settings())
+            for node, url in urls.items()}
 
 
 def __getattr__(name: str):

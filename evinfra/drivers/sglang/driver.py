@@ -35,12 +35,11 @@ import structlog
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock
+from evinfra.core.contracts import DecodeOrder, HintDelta, PrefillOrder
 from evinfra.core.events import (AllBlocksCleared, KVEventBatch, NodeDown, NodeKVEvents, NodeUp,
                                  PhaseSwitched, PrefillDone, PrefillStarted, RequestFailed,
                                  TokensOut, Withdrawn)
 from evinfra.core.types import NodeId, Phase, RequestId
-from evinfra.directory.branches import HintDelta
-from evinfra.drivers.base import DecodeOrder, PrefillOrder
 from evinfra.drivers.sglang.discovery import EngineInfo, parse_engine_info
 from evinfra.drivers.sglang.errors import Failure, engine_message, from_exception, from_http
 from evinfra.drivers.sglang.hints import HintOutbox

@@ -13,8 +13,8 @@ deltas apply to it.
 
 from __future__ import annotations
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.types import BlockHash
-from evinfra.directory.branches import HintDelta
 from evinfra.engine_patch.wire import CountHints
 
 __all__ = ["HintOutbox"]

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
+from evinfra.core.contracts import Sampling
 from evinfra.core.events import TokenLogprobs
-from evinfra.drivers.base import Sampling
 
 __all__ = ["Bootstrap", "Chunk", "OutputCursor", "StreamError", "Finish", "generate_body",
            "new_room", "parse_sse_line", "priority_for"]

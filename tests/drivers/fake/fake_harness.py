@@ -9,12 +9,12 @@ import numpy as np
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import VirtualClock
+from evinfra.core.contracts import DecodeOrder, FetchRun, PrefillOrder, Sampling
 from evinfra.core.events import (IterationReport, NodeDown, NodeKVEvents, NodeState, NodeUp,
                                  PhaseSwitched, PrefillDone, PrefillStarted, RequestFailed,
                                  TokensOut, Withdrawn)
 from evinfra.core.hashing import block_hashes
 from evinfra.core.types import Phase
-from evinfra.drivers.base import DecodeOrder, FetchRun, PrefillOrder, Sampling
 from evinfra.drivers.fake import FakeCluster, FakeEngineConfig
 
 EVENTS = (IterationReport, NodeDown, NodeKVEvents, NodeState, NodeUp, PhaseSwitched,

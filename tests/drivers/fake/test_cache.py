@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.events import BlockRemoved, BlockStored
 from evinfra.core.types import Tier
-from evinfra.directory.branches import HintDelta
 from evinfra.drivers.fake.cache import NodeCache
 
 P = 4  # page size of these tests

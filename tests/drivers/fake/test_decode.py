@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from fake_harness import PAGE, TEST_TIMING, Harness, path, tokens
 
+from evinfra.core.contracts import DecodeOrder
 from evinfra.core.events import (IterationReport, NodeKVEvents, NodeState, PrefillDone,
                                  PrefillStarted, RequestFailed, TokensOut)
 from evinfra.core.hashing import block_hashes
 from evinfra.core.types import Phase
-from evinfra.drivers.base import DecodeOrder
 from evinfra.drivers.fake import FakeEngineConfig
 from evinfra.drivers.fake.timing import phi
 

@@ -5,10 +5,10 @@ import msgspec
 import numpy as np
 from fake_harness import EVENTS, Harness, path, tokens
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.events import BlockRemoved, KVEventDecoder, NodeKVEvents, encode_frames
 from evinfra.core.types import Phase, Tier
 from evinfra.directory import Directory
-from evinfra.directory.branches import HintDelta
 
 NODES = [("p0", Phase.PREFILL), ("d0", Phase.DECODE)]
 

@@ -7,10 +7,11 @@ from fake_harness import TEST_TIMING, Harness, path, tokens
 
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
+from evinfra.core.contracts import DecodeOrder, PrefillOrder, Sampling
 from evinfra.core.events import (AllBlocksCleared, NodeDown, NodeState, NodeUp, PhaseSwitched,
                                  PrefillDone, PrefillStarted, RequestFailed, TokensOut, Withdrawn)
 from evinfra.core.types import Phase, Tier
-from evinfra.drivers.base import DecodeOrder, EngineDriver, PrefillOrder, Sampling
+from evinfra.drivers.base import EngineDriver
 from evinfra.drivers.fake import FakeCluster, FakeEngineConfig
 
 CFG = FakeEngineConfig(**TEST_TIMING)

@@ -3,10 +3,10 @@
 import pytest
 from fake_harness import PAGE, TEST_TIMING, Harness, path, tokens
 
+from evinfra.core.contracts import FetchRun
 from evinfra.core.events import (IterationReport, NodeKVEvents, PrefillDone, PrefillStarted,
                                  RequestFailed, Withdrawn)
 from evinfra.core.types import Phase
-from evinfra.drivers.base import FetchRun
 from evinfra.drivers.fake import FakeEngineConfig
 
 CFG = FakeEngineConfig(**TEST_TIMING)

@@ -14,13 +14,12 @@ from aiohttp import web
 from evinfra.api.metrics import Metrics
 from evinfra.core.bus import Bus
 from evinfra.core.clock import WallClock
+from evinfra.core.contracts import DecodeOrder, HintDelta, PrefillOrder, Sampling
 from evinfra.core.events import (END_SEQ, AllBlocksCleared, BlockStored, IterationReport,
                                  KVEventBatch, NodeDown, NodeState, NodeUp, PhaseSwitched,
                                  PrefillDone, PrefillItem, PrefillStarted, RequestFailed,
                                  TokensOut, Withdrawn, encode_frames)
 from evinfra.core.types import Phase, Tier
-from evinfra.directory.branches import HintDelta
-from evinfra.drivers.base import DecodeOrder, PrefillOrder, Sampling
 from evinfra.drivers.sglang.driver import DriverSettings, SGLangDriver
 from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.errors import ConfigError
@@ -320,7 +319,7 @@ async def test_a_restarted_engine_rejoins(cluster):
 async def test_a_fetch_plan_goes_to_a_patched_engine_only(cluster):
     """A patched prefill engine gets the plan in ``kv_hints`` (peers named by their pool
     servers) and reports what it fetched; a stock one gets no plan."""
-    from evinfra.drivers.base import FetchRun
+    from evinfra.core.contracts import FetchRun
 
     drivers, engines, events = cluster
     patched = engines["p"].patch is not None
@@ -387,12 +386,12 @@ async def test_an_engine_still_starting_is_waited_for_and_the_wait_is_said_once(
 
 async def test_node_urls_must_be_http_base_urls():
     from evinfra.config import parse_config
-    from evinfra.drivers.sglang import build_drivers
+    from evinfra.service import Service
 
     config = parse_config({"cluster": {"driver": "sglang", "initial_prefill": 1, "nodes": [
         {"name": "a", "url": "localhost:30000"}, {"name": "b", "url": "http://127.0.0.1:1"}]}})
     with pytest.raises(ConfigError, match=r"\['localhost:30000'\] are not http\(s\) base URLs"):
-        build_drivers(config, WallClock(), Bus())
+        Service.from_config(config, WallClock())
 
 
 @contextlib.asynccontextmanager

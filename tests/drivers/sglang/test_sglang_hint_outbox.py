@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evinfra.directory.branches import HintDelta
+from evinfra.core.contracts import HintDelta
 from evinfra.directory.eviction import HostEvictionOrder
 from evinfra.drivers.sglang.hints import HintOutbox
 from evinfra.engine_patch.wire import CountHints

@@ -8,9 +8,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from evinfra.core.contracts import Sampling
 from evinfra.core.events import TokenLogprobs
 from evinfra.core.types import Phase
-from evinfra.drivers.base import Sampling
 from evinfra.drivers.sglang.discovery import parse_engine_info
 from evinfra.drivers.sglang.errors import engine_message, from_exception, from_http
 from evinfra.drivers.sglang.loads import LoadsTracker, parse_loads

@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import msgspec
 import numpy as np
 
-from evinfra.workloads import RequestRecord
+from evinfra.workloads.backend import RequestRecord
 
 __all__ = ["WAITS", "WAIT_LABELS", "WAIT_NAMES", "Latency", "Summary", "WaitReuse",
            "summarise"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from evinfra.sim.summary import summarise
+from evinfra.workloads.summary import summarise
 from evinfra.workloads import RequestRecord
 
 

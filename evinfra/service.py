@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Mapping, NamedTuple, Protocol, Sequence
+from typing import Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -148,7 +148,6 @@ class Service:
         self._stopping = False
         self._flights: dict[RequestId, _Flight] = {}
         self._held: dict[RequestId, _Flight] = {}
-        self._releasing = False
         self._ids = itertools.count()
         self._switching: dict[NodeId, Phase] = {}
         self._decoding = 0
@@ -201,13 +200,14 @@ class Service:
     async def start(self) -> None:
         for d in self.drivers.values():
             await d.start()
-        # Engines may hold count marks from an earlier control plane: this one has no counts.
-        for node, d in self.drivers.items():
-            d.push_hints(self.directory.full_hints(node))
-        if self.planner.warming_up and self.planner.warmup_end <= self.clock.now():
-            self._on_tick()  # no warm-up: the initial split serves from the start
-        else:
-            self._schedule_tick()
+        with self.bus.running():
+            # Engines may hold count marks from an earlier control plane: this one has none.
+            for node, d in self.drivers.items():
+                d.push_hints(self.directory.full_hints(node))
+            if self.planner.warming_up and self.planner.warmup_end <= self.clock.now():
+                self._on_tick()  # no warm-up: the initial split serves from the start
+            else:
+                self._schedule_tick()
         if self._idle_limits():
             self._schedule_sweep()
         log.info("service_started", nodes=len(self.nodes), policy=self.config.policy.name,
@@ -222,13 +222,23 @@ class Service:
             self._tick.cancel()
         if self._sweep is not None:
             self._sweep.cancel()
-        for f in list(self._flights.values()):
-            self._fail(f, EngineError(f.prefill or "-", "the service is shutting down"))
+        with self.bus.running():
+            for f in list(self._flights.values()):
+                self._fail(f, EngineError(f.prefill or "-", "the service is shutting down"))
         for d in self.drivers.values():
             await d.stop()
 
     def in_flight(self) -> int:
         return len(self._flights)
+
+    def _at(self, when: float, fn: Callable[..., None], *args: object) -> Timer:
+        """A timer of the service's own (a timeout, a sweep, a planner tick): a command, run
+        to completion on the bus like any other."""
+        return self.clock.call_at(when, self._command, fn, *args)
+
+    def _command(self, fn: Callable[..., None], *args: object) -> None:
+        with self.bus.running():
+            fn(*args)
 
     def constrains_output(self) -> bool:
         """Every engine holds an output to a grammar (``Sampling.json_schema``...): a request
@@ -240,6 +250,10 @@ class Service:
     def submit(self, sub: Submission, sink: RequestSink) -> RequestId:
         """Route a request; its output goes to ``sink``. Raises :class:`NoNodeError` (no node
         can take it now) or :class:`RequestError` before anything is accepted."""
+        with self.bus.running():
+            return self._submit(sub, sink)
+
+    def _submit(self, sub: Submission, sink: RequestSink) -> RequestId:
         if not self.accepting:
             raise NoNodeError("prefill", "the service is shutting down")
         now = self.clock.now()
@@ -331,21 +345,24 @@ class Service:
         return _Inference(one, None, True, tip)
 
     def abort(self, request: RequestId) -> None:
-        """The client went away: stop the request everywhere, quietly."""
+        """The client went away: stop the request everywhere, quietly (its sink has its
+        record when this returns)."""
         f = self._flights.get(request)
         if f is None:
             return
-        for node in {f.prefill, f.decode} - {None}:
-            self.drivers[node].abort(request)
-        self._close(f, "aborted", EngineError(f.prefill or "-", "aborted by the client"))
+        with self.bus.running():
+            for node in {f.prefill, f.decode} - {None}:
+                self.drivers[node].abort(request)
+            self._close(f, "aborted", EngineError(f.prefill or "-", "aborted by the client"))
 
     def end_branch(self, branch: BranchId) -> None:
         """The harness says the branch is over (``POST /v1/branches/{id}/end``)."""
         if self._active[branch]:
             self._end_after(branch)
             return
-        self._end(branch)
-        self._flush_hints()
+        with self.bus.running():
+            self._end(branch)
+            self._flush_hints()
 
     def _end_after(self, branch: BranchId) -> None:
         """End ``branch`` when its requests in flight are done: their counts must outlive
@@ -387,18 +404,14 @@ class Service:
 
     def _release_held(self) -> None:
         """Route the held requests the prefill strategy lets go now."""
-        if not self._held or self._releasing:
+        if not self._held:
             return
-        self._releasing = True
-        try:
-            now = self.clock.now()
-            for rid in self.router.take_released(now):
-                f = self._held.pop(rid, None)
-                if f is not None:
-                    self._reroute(f, self.router.route(RouteRequest(rid, f.branch, None, 0),
-                                                       now), "released")
-        finally:
-            self._releasing = False
+        now = self.clock.now()
+        for rid in self.router.take_released(now):
+            f = self._held.pop(rid, None)
+            if f is not None:
+                self._reroute(f, self.router.route(RouteRequest(rid, f.branch, None, 0), now),
+                              "released")
 
     # -- engine events ---------------------------------------------------------------------
 
@@ -580,7 +593,7 @@ class Service:
     def _arm_timer(self, f: _Flight) -> None:
         limit = self._limit(f)
         if limit is not None:
-            f.timer = self.clock.call_at(f.progress + limit, self._check_timeout, f)
+            f.timer = self._at(f.progress + limit, self._check_timeout, f)
 
     def _limit(self, f: _Flight) -> float | None:
         s = self.config.server
@@ -594,7 +607,7 @@ class Service:
             return
         now = self.clock.now()
         if now < f.progress + limit:
-            f.timer = self.clock.call_at(f.progress + limit, self._check_timeout, f)
+            f.timer = self._at(f.progress + limit, self._check_timeout, f)
             return
         self.counters["timeouts"] += 1
         node = (f.decode if f.first is not None else f.prefill) or "-"
@@ -643,7 +656,7 @@ class Service:
 
     def _schedule_sweep(self) -> None:
         every = min(limit for _, limit in self._idle_limits()) / 8
-        self._sweep = self.clock.call_at(self.clock.now() + every, self._sweep_idle)
+        self._sweep = self._at(self.clock.now() + every, self._sweep_idle)
 
     def _sweep_idle(self) -> None:
         """End the branches idle for their limit (E.2 line 13, on their harness's behalf);
@@ -672,7 +685,7 @@ class Service:
 
     def _schedule_tick(self) -> None:
         when = max(self.planner.window_end, self.clock.now() + 1e-3)
-        self._tick = self.clock.call_at(when, self._on_tick)
+        self._tick = self._at(when, self._on_tick)
 
     def _on_tick(self) -> None:
         now = self.clock.now()
@@ -720,11 +733,12 @@ class Service:
             raise RequestError(f"{sorted(self._switching)} still switching: try again when "
                                "they are done", status=409)
         now = self.clock.now()
-        if self.planner.warming_up:
-            self._finish_warmup(now, split, "forced by an operator")
-        else:
-            self.planner.switch_to(split, now)
-            self._apply(split, now, "forced by an operator")
+        with self.bus.running():
+            if self.planner.warming_up:
+                self._finish_warmup(now, split, "forced by an operator")
+            else:
+                self.planner.switch_to(split, now)
+                self._apply(split, now, "forced by an operator")
         return split
 
     def cordon(self, node: NodeId, cordoned: bool = True) -> list[RequestId]:
@@ -736,9 +750,10 @@ class Service:
         the withdrawn requests."""
         if node not in self.drivers:
             raise RequestError(f"unknown node {node!r}", param="node", status=404)
-        withdrawn = self.router.cordon(node, cordoned)
-        for rid in withdrawn:
-            self.drivers[node].withdraw(rid)
+        with self.bus.running():
+            withdrawn = self.router.cordon(node, cordoned)
+            for rid in withdrawn:
+                self.drivers[node].withdraw(rid)
         log.info("node_cordoned" if cordoned else "node_uncordoned", node=node,
                  withdrawn=len(withdrawn))
         return withdrawn

@@ -1,18 +1,25 @@
-"""The in-memory event bus: typed events, in-process subscribers, synchronous delivery.
+"""The in-memory event bus: typed events, in-process subscribers, run to completion.
 
 Engines (through their drivers) publish what happened — KV events, iteration reports, node
-state, request progress — and the control-plane components subscribe by event type. Delivery
-is synchronous and in subscription order, so a publish is a few function calls (the
-simulator publishes millions), the order of effects is deterministic, and a subscriber sees
-the world exactly as it was when the event happened. A subscriber that raises is logged and
-counted; it never stops the others or the publisher: one bad event must not crash the
-control plane.
+state, request progress — and the control-plane components subscribe by event type.
+
+**Run to completion.** A handler, and a command of the control plane (``Bus.running``),
+runs to its end before any event it causes is seen: an event published meanwhile waits in
+a queue and is delivered, in publication order, after the handler or command returns. So a
+command to an engine never has its answer delivered inside it, whether the engine answers
+at once (the fake engines, on the simulator's clock) or from its own I/O task (SGLang): the
+simulator and ``serve`` see the same interleavings. An event published with nothing running
+is delivered at once, to its subscribers in subscription order.
+
+A subscriber that raises is logged and counted; it never stops the others or the publisher:
+one bad event must not crash the control plane.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Callable, TypeVar
+from collections import defaultdict, deque
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
 
 import structlog
 
@@ -26,16 +33,44 @@ E = TypeVar("E")
 class Bus:
     def __init__(self) -> None:
         self._subs: dict[type, list[Callable[[Any], None]]] = defaultdict(list)
+        self._queue: deque[object] = deque()
+        self._busy = False
         self.errors = 0
 
     def subscribe(self, event_type: type[E], handler: Callable[[E], None]) -> None:
         self._subs[event_type].append(handler)
 
     def publish(self, event: object) -> None:
-        for handler in self._subs.get(type(event), ()):
-            try:
-                handler(event)
-            except Exception:  # noqa: BLE001 - isolation is the point
-                self.errors += 1
-                log.exception("bus_subscriber_failed", event_type=type(event).__name__,
-                              handler=getattr(handler, "__qualname__", repr(handler)))
+        self._queue.append(event)
+        if not self._busy:
+            self._deliver()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """A command runs: what it causes is delivered after it. Nested (a command inside a
+        handler or another command), it changes nothing."""
+        if self._busy:
+            yield
+            return
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+            self._deliver()
+
+    def _deliver(self) -> None:
+        queue, subs = self._queue, self._subs
+        self._busy = True
+        try:
+            while queue:
+                event = queue.popleft()
+                for handler in subs.get(type(event), ()):
+                    try:
+                        handler(event)
+                    except Exception:  # noqa: BLE001 - isolation is the point
+                        self.errors += 1
+                        log.exception("bus_subscriber_failed", event_type=type(event).__name__,
+                                      handler=getattr(handler, "__qualname__", repr(handler)))
+        finally:
+            self._busy = False

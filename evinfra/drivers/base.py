@@ -8,6 +8,12 @@ failures, withdrawals, phase switches, node loss. A driver for a remote engine d
 in its own tasks; the fake driver runs a simulated engine on the clock. Nothing else in the
 control plane knows what an engine is.
 
+**Events and commands.** A driver may publish an engine's answer from inside a command (a
+refusal, ``Withdrawn``, a fake engine's first iteration) or later from its own tasks; either
+way the control plane sees it after the command returns: the bus runs every handler and
+every command of the service to completion and delivers what it caused afterwards, in order
+(``core/bus.py``). A driver publishes on the bus only; it never calls the control plane.
+
 The data plane (KV moving between engines: peer fetches, prefill-to-decode transfers) is the
 engines' business: orders name the peer, and the engines move the bytes.
 """

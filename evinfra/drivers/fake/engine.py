@@ -80,7 +80,6 @@ class FakeEngine(PrefillSide, DecodeSide):
                                config.eviction == "count", self._kv_events.append)
         self._progress = DecodeProgress(config.t_acc)
         self._out: deque[object] = deque()
-        self._flushing = False
         self.down = False
         self.stalled = False
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
@@ -251,22 +250,17 @@ class FakeEngine(PrefillSide, DecodeSide):
 
     def _flush(self) -> None:
         """Publish what the step produced: its KV events as one batch first, then the rest.
-        A nested step (a subscriber calling back) leaves publishing to the outer loop."""
-        if self._flushing:
-            return
-        self._flushing = True
-        try:
-            while True:
-                if self._kv_events:
-                    events = self._kv_events[:]
-                    self._kv_events.clear()
-                    self.kv.publish(self.clock.now(), events)
-                elif self._out:
-                    self.bus.publish(self._out.popleft())
-                else:
-                    break
-        finally:
-            self._flushing = False
+        The bus runs to completion: a subscriber that calls back into this engine finds it
+        consistent, and what that step produces is published after what this one did."""
+        while True:
+            if self._kv_events:
+                events = self._kv_events[:]
+                self._kv_events.clear()
+                self.kv.publish(self.clock.now(), events)
+            elif self._out:
+                self.bus.publish(self._out.popleft())
+            else:
+                break
 
     def _fail_now(self, request: RequestId, started: bool) -> None:
         self.bus.publish(RequestFailed(request, self.node, self.clock.now(),

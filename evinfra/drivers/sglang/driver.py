@@ -9,11 +9,10 @@ answers (restarted, its KV empty) it is discovered anew and the node serves agai
 bodies, error mapping) live in their own modules; this one only moves data between them and
 the network.
 
-Two rules keep the service's handlers sane:
-
-* events answering a *command* (a refusal at submit, ``Withdrawn``) are published on the next
-  loop turn, never from inside the command: the service calls us from its own handlers;
-* a request's outcome is published once (``_Flight.closed``); after ``abort`` nothing follows.
+Events answering a *command* (a refusal at submit, ``Withdrawn``) are published from inside
+it, as the fake engines' are: the bus runs commands to completion and delivers them after
+(``core/bus.py``). A request's outcome is published once (``_Flight.closed``); after
+``abort`` nothing follows.
 
 Deviation from the paper (D.1), forced by stock SGLang PD: a prefill engine keeps a request in
 its bootstrap queue until the decode side of the same room arrives, and says nothing about it
@@ -218,8 +217,8 @@ class SGLangDriver:
     def submit_prefill(self, order: PrefillOrder) -> None:
         now = self.clock.now()
         if not self.healthy():
-            self._publish_soon(RequestFailed(order.request, self.node, now,
-                                             f"engine {self.node} is down", started=False))
+            self.bus.publish(RequestFailed(order.request, self.node, now,
+                                           f"engine {self.node} is down", started=False))
             return
         boot = self.pairs.open(order.request, self.node, now)
         f = _Flight(order.request, "prefill", f"{order.request}-p{boot.room:x}", self.node, boot)
@@ -233,7 +232,7 @@ class SGLangDriver:
         if not self.healthy() or boot is None:
             why = (f"engine {self.node} is down" if not self.healthy() else
                    f"no open prefill of this request on {order.source} to pair with")
-            self._publish_soon(RequestFailed(order.request, self.node, now, why, started=True))
+            self.bus.publish(RequestFailed(order.request, self.node, now, why, started=True))
             return
         f = _Flight(order.request, "decode", f"{order.request}-d{boot.room:x}", order.source,
                     boot)
@@ -247,7 +246,7 @@ class SGLangDriver:
             return  # accepted means PrefillStarted went out: the request runs on here
         self._end(f)
         self.stats["withdrawn"] += 1
-        self._publish_soon(Withdrawn(request, self.node, self.clock.now()))
+        self.bus.publish(Withdrawn(request, self.node, self.clock.now()))
 
     def abort(self, request: RequestId) -> None:
         for kind in ("prefill", "decode"):
@@ -825,10 +824,6 @@ class SGLangDriver:
         self._tasks.discard(t)
         if not t.cancelled() and t.exception() is not None:
             log.error("sglang_driver_task_failed", node=self.node, error=repr(t.exception()))
-
-    def _publish_soon(self, event: object) -> None:
-        loop = self._loop or asyncio.get_running_loop()
-        loop.call_soon(self.bus.publish, event)
 
     async def _sleep(self, delay: float) -> None:
         """Sleep on the driver's clock (the wall clock: real engines)."""

@@ -2,18 +2,22 @@
 
 Random programs of agent context management (new branch, fork, sub-agent, append,
 compaction, branch end), placements (prefill routing, decode binding, P2P/D2D moves,
-P2D/D2P transfers), phase switches, KV events (stored, removed, cleared), node loss and host
-eviction run on both; after every step the counts, counted sets, versions, paths and
-prefix lookups must agree, and the invariants of the paper hold.
+P2D/D2P transfers), phase switches, KV events (stored, removed, cleared; one at a time and in
+batches, where a GPU store and its write-through to host memory are fused), node loss and host
+eviction run on both; after every step the counts, counted sets, held blocks per tier,
+versions, paths and prefix lookups must agree, and the invariants of the paper hold.
 """
 
 from __future__ import annotations
 
+import functools
+
 import hypothesis.strategies as st
+import msgspec
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from evinfra.core.types import Phase, Tier
 from evinfra.directory import Directory
 from evinfra.directory.reference import ReferenceDirectory
@@ -23,8 +27,22 @@ PAGE = 4
 NODES = {"p0": Phase.PREFILL, "p1": Phase.PREFILL, "d0": Phase.DECODE, "d1": Phase.DECODE}
 SYSTEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [20, 21, 22, 23]]
 tokens = st.lists(st.integers(0, 40), min_size=0, max_size=10)
+# SGLang's media as the oracle reads them, written out here rather than taken from the code
+# under test: no medium is the GPU radix cache (no HiCache), DISK is not tracked at all.
+MEDIA = {None: Tier.L1, "GPU": Tier.L1, "CPU_PINNED": Tier.L2, "DISK": None}
+GPU_MEDIA = [None, "GPU"]
+# What one item of a batch is; a write-through (a GPU store and its host copy, fused by
+# ``apply_batch``) and its near misses (not fused) weigh most.
+BATCH_ITEMS = ["store", "write_through", "write_through", "near_miss", "remove", "clear"]
+NEAR_MISSES = ["fewer_blocks", "other_parent", "gpu_twice", "host_first", "disk", "block_size"]
 
 STEPS = {"n": 0}
+
+
+def _stored(blocks: list[int], parent: int | None, medium: str | None,
+            block_size: int = PAGE) -> BlockStored:
+    return BlockStored(list(blocks), parent, [0] * block_size * len(blocks), block_size,
+                       medium=medium)
 
 
 class DirectoryMachine(RuleBasedStateMachine):
@@ -66,6 +84,19 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     def _blocks(self, beta: str) -> list[int]:
         return self.real.branches.path(beta).hashes
+
+    def _ref_apply(self, n: str, event: KVEvent) -> None:
+        """One KV event on the reference, as the single-event rules apply them."""
+        if isinstance(event, BlockStored):
+            tier = MEDIA[event.medium]
+            if tier is not None:
+                self.ref.store(n, event.block_hashes, tier)
+        elif isinstance(event, BlockRemoved):
+            tier = MEDIA[event.medium]
+            if tier is not None:
+                self.ref.remove(n, event.block_hashes, tier)
+        else:
+            self.ref.clear(n)
 
     # -- context management ---------------------------------------------------------------
 
@@ -197,6 +228,73 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.real.apply(n, BlockRemoved(blocks, medium=tier.medium))
         self.ref.remove(n, blocks, tier)
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), items=st.lists(st.sampled_from(BATCH_ITEMS), min_size=2, max_size=6))
+    def kv_batch(self, data: st.DataObject, items: list[str]) -> None:
+        """A node's engine publishes its events in batches, and production applies a batch at
+        once (``apply_batch``), fusing a GPU store with its write-through to host memory into
+        one tree pass; the reference applies the same events one by one. Near misses (another
+        slice, parent, order, medium or block size) must not be fused, and removals and
+        clears between stores must see the stores before them."""
+        n = self._node(data)
+        events: list[KVEvent] = []
+        for item in items:
+            if item == "clear":
+                events.append(AllBlocksCleared())
+                continue
+            path = self._blocks(self._active(data))
+            if item == "remove":
+                picks = data.draw(st.lists(st.integers(0, 8), max_size=4), label="picks")
+                medium = data.draw(st.sampled_from(sorted(MEDIA, key=str)), label="medium")
+                events.append(BlockRemoved(sorted({path[i] for i in picks if i < len(path)}),
+                                           medium=medium))
+                continue
+            lo = data.draw(st.integers(0, 6), label="lo")
+            blocks = path[lo: lo + data.draw(st.integers(1, 8), label="len")]
+            if not blocks:
+                continue
+            parent = path[lo - 1] if lo else None
+            stored = functools.partial(_stored, blocks, parent)
+            if item == "store":
+                events.append(stored(data.draw(st.sampled_from(sorted(MEDIA, key=str)),
+                                               label="medium")))
+                continue
+            gpu = stored(data.draw(st.sampled_from(GPU_MEDIA), label="gpu medium"))
+            if item == "write_through":
+                events += [gpu, stored("CPU_PINNED")]
+                continue
+            miss = data.draw(st.sampled_from(NEAR_MISSES), label="near miss")
+            if miss == "fewer_blocks":
+                second = _stored(blocks[:-1] or path[lo + 1: lo + 2], parent, "CPU_PINNED")
+            elif miss == "other_parent":
+                second = _stored(blocks, None if lo else -1, "CPU_PINNED")
+            elif miss == "gpu_twice":
+                second = stored("GPU")
+            elif miss == "host_first":
+                gpu, second = stored("CPU_PINNED"), gpu
+            elif miss == "disk":
+                second = stored("DISK")
+            else:
+                second = stored("CPU_PINNED", 2 * PAGE)
+            events += [gpu, second]
+        before = self.real.summary()["events"]
+        self.real.apply_batch(n, KVEventBatch(0.0, events))
+        # A fused pair is still two events, each counted as it would be alone (the metrics
+        # read these): a store's parent is unknown if no node holds it when the store comes.
+        want = dict.fromkeys(("blocks_stored", "block_size_mismatch", "unknown_parent",
+                              "untracked_medium"), 0)
+        for event in events:
+            if not isinstance(event, AllBlocksCleared) and MEDIA[event.medium] is None:
+                want["untracked_medium"] += 1
+            elif isinstance(event, BlockStored):
+                want["blocks_stored"] += len(event.block_hashes)
+                want["block_size_mismatch"] += event.block_size != PAGE
+                want["unknown_parent"] += event.parent_block_hash is not None and not any(
+                    event.parent_block_hash in held for held in self.ref.held.values())
+            self._ref_apply(n, event)
+        after = self.real.summary()["events"]
+        assert {k: after[k] - before[k] for k in want} == want
+
     @rule(data=st.data())
     def all_blocks_cleared(self, data: st.DataObject) -> None:
         n = self._node(data)
@@ -251,6 +349,17 @@ class DirectoryMachine(RuleBasedStateMachine):
             seen -= set(delta.zero)
         for n in NODES:
             assert self.engine_positive[n] == set(self.real.positive_blocks(n)), n
+
+    @invariant()
+    def holdings_agree(self) -> None:
+        """Every node holds the reference's blocks, as many in each tier (a host copy that
+        lookups cannot see while the GPU copy is there shows here)."""
+        for n in NODES:
+            idx = self.real.index(n)
+            want = {t: self.ref.held[n, t] for t in Tier}
+            assert self.real.tree.blocks_on(idx) == want[Tier.L1] | want[Tier.L2], n
+            for t in Tier:
+                assert self.real.tree.held(idx, t) == len(want[t]), (n, t)
 
     @invariant()
     def branches_agree(self) -> None:
@@ -316,6 +425,38 @@ def test_the_machine_catches_a_directory_that_ignores_evictions() -> None:
         run_state_machine_as_test(
             _MutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
                                               phases=[HPhase.generate], print_blob=False))
+
+
+class _HostCopyStaysOnGPU(Directory):
+    """A mutant whose batches file a write-through's host copy under GPU memory, as a fused
+    pass that sets only the GPU bits would: every counter is right, the host tier is not."""
+
+    def apply_batch(self, node, batch):  # type: ignore[override]
+        prev = None
+        for event in batch.events:
+            if (isinstance(prev, BlockStored) and isinstance(event, BlockStored)
+                    and MEDIA[prev.medium] is Tier.L1 and MEDIA[event.medium] is Tier.L2
+                    and (event.block_hashes, event.parent_block_hash, event.block_size)
+                    == (prev.block_hashes, prev.parent_block_hash, prev.block_size)):
+                event = msgspec.structs.replace(event, medium=prev.medium)
+            self.apply(node, event)
+            prev = event
+
+
+class _BatchMutantMachine(DirectoryMachine):
+    directory_cls = _HostCopyStaysOnGPU
+
+
+def test_the_machine_catches_a_batch_that_loses_the_host_copy() -> None:
+    import pytest
+
+    from hypothesis import Phase as HPhase
+
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            _BatchMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
+                                                   phases=[HPhase.generate], print_blob=False,
+                                                   report_multiple_bugs=False))
 
 
 class _WideDirectory(Directory):

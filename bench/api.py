@@ -35,7 +35,7 @@ from evinfra.config import parse_config
 from evinfra.core.clock import WallClock
 from evinfra.core.contracts import Sampling
 from evinfra.logs import configure_logging
-from evinfra.service import Service, Submission
+from evinfra.control import Service, Submission
 
 CLIENTS = 64
 FAST = {

@@ -25,7 +25,7 @@ import numpy as np
 from evinfra.core.events import BlockStored
 from evinfra.core.types import Phase
 from evinfra.directory import Directory
-from evinfra.router.router import RouteRequest, Router
+from evinfra.router.router import Router, Routing
 
 PAGE = 64
 
@@ -44,7 +44,7 @@ def setup(nodes: int, context: int, seed: int) -> tuple[Router, list[np.ndarray]
             k = int(rng.integers(len(path) // 2, len(path) + 1))
             for medium in ("GPU", "CPU_PINNED"):
                 router.directory.apply(f"n{i}", BlockStored(path[:k], None, [], PAGE, medium=medium))
-        router.route(RouteRequest(f"prev{a}", f"b{a}", ctx, 256), 0.0)
+        router.route(Routing(f"prev{a}", f"b{a}", ctx, 256), 0.0)
         router.finished(f"prev{a}")
         contexts.append(ctx)
     for i in range(nodes):
@@ -63,7 +63,7 @@ def run(nodes: int, context: int, samples: int) -> tuple[np.ndarray, np.ndarray]
         contexts[a] = np.concatenate([contexts[a], rng.integers(0, 150_000, size=512, dtype=np.uint32)])
         rid = f"r{s}"
         t = time.perf_counter()
-        route = router.route(RouteRequest(rid, f"b{a}", contexts[a], 256), float(s))
+        route = router.route(Routing(rid, f"b{a}", contexts[a], 256), float(s))
         route_t.append(time.perf_counter() - t)
         t = time.perf_counter()
         router.directory.match(route.path)
@@ -82,7 +82,7 @@ def run_new_agents(nodes: int, agents: int) -> np.ndarray:
     for a in range(agents):
         ctx = np.concatenate([prompt, rng.integers(0, 150_000, size=2_048, dtype=np.uint32)])
         t = time.perf_counter()
-        route = router.route(RouteRequest(f"new{a}", f"agent{a}", ctx, 256), float(a))
+        route = router.route(Routing(f"new{a}", f"agent{a}", ctx, 256), float(a))
         times.append(time.perf_counter() - t)
         if a < 3:  # the prefill of the first agents puts the prompt on their nodes
             router.directory.apply(route.node, BlockStored(route.path.hashes, None, [], PAGE,

@@ -52,7 +52,7 @@ async def _run_server(config, tokenizer) -> int:
 
     from evinfra.api import build_app
     from evinfra.core.clock import WallClock
-    from evinfra.service import Service
+    from evinfra.control import Service
 
     service = Service.from_config(config, WallClock())
     app = build_app(service, tokenizer)

@@ -1,6 +1,6 @@
 """The service configuration: TOML -> msgspec Structs, validated once at the edge.
 
-It lives beside ``service.py`` rather than in ``core/`` (as DESIGN.md first placed it) because
+It lives at the top of the package rather than in ``core/`` (as DESIGN.md first placed it) because
 it composes the components' own config structs: ``core`` must not import the components.
 
 Errors name the file and the key (``etc/cluster.toml: key 'planner.t_win': Expected

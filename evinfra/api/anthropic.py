@@ -37,7 +37,7 @@ from evinfra.api.tokenizer import Tokenizer, continue_final
 from evinfra.api.tool_calls import ToolCall
 from evinfra.core.contracts import Sampling
 from evinfra.errors import EvinfraError, RequestError
-from evinfra.service import Service
+from evinfra.control import Service
 
 __all__ = ["AnthropicRoutes", "CountTokensRequest", "MessagesRequest"]
 

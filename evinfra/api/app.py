@@ -30,7 +30,7 @@ from evinfra.api.schemas import SplitRequest, decode_body
 from evinfra.api.tokenizer import Tokenizer
 from evinfra.core.types import Phase
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError
-from evinfra.service import Service
+from evinfra.control import Service
 
 __all__ = ["build_app"]
 

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from evinfra.core.events import RequestDone, SplitChanged
 from evinfra.core.types import Phase
-from evinfra.service import Service
+from evinfra.control import Service
 
 __all__ = ["Metrics"]
 
@@ -97,29 +97,29 @@ class _ClusterCollector:
         g.add_metric(["collocated"], sum(router.phase(n) is Phase.COLLOCATED for n in s.nodes))
         yield g
         yield GaugeMetricFamily("evinfra_in_flight", "Requests in flight", value=s.in_flight())
-        tree = s.directory.tree
+        directory = s.directory.summary()
         yield GaugeMetricFamily("evinfra_directory_blocks", "Blocks in the KV directory",
-                                value=len(tree))
+                                value=directory["blocks"])
         yield GaugeMetricFamily("evinfra_directory_entries", "(block, node) entries",
-                                value=tree.entries())
+                                value=directory["entries"])
         yield GaugeMetricFamily("evinfra_active_branches", "Agent branches with counts",
-                                value=len(s.directory.branches))
+                                value=directory["active_branches"])
         yield GaugeMetricFamily("evinfra_inferred_branches",
                                 "Active branches inferred from requests without hints",
-                                value=len(s.chains) if s.chains is not None else 0)
+                                value=s.branches.inferred())
         c = CounterMetricFamily("evinfra_inferred_branch_events",
                                 "Branch inference for requests without hints: branches "
                                 "started, requests chained, branches ended by a join, "
                                 "compactions", labels=["event"])
         for event in ("branches_inferred", "requests_chained", "branches_joined",
                       "compactions_inferred"):
-            c.add_metric([event], s.counters[event])
+            c.add_metric([event], getattr(s.counters, event))
         yield c
         c = CounterMetricFamily("evinfra_kv_event_problems", "Tolerated bad KV events",
                                 labels=["problem"])
         for f in ("unknown_parent", "unknown_removal", "duplicate_hash", "unknown_node",
                   "untracked_medium", "block_size_mismatch"):
-            c.add_metric([f], getattr(tree.stats, f))
+            c.add_metric([f], directory["events"][f])
         yield c
         c = CounterMetricFamily("evinfra_driver_events", "What each node's driver did with its "
                                 "engine (SGLang: count hints sent, retried, refused; fetch "

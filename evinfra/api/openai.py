@@ -35,7 +35,7 @@ from evinfra.api.tokenizer import Tokenizer, continue_final, message_text
 from evinfra.api.tool_calls import ToolCall
 from evinfra.core.contracts import Sampling
 from evinfra.errors import EvinfraError, RequestError
-from evinfra.service import Service, Submission
+from evinfra.control import Service, Submission
 
 __all__ = ["OpenAIRoutes"]
 

@@ -27,10 +27,10 @@ from evinfra.api.tokenizer import Tokenizer
 from evinfra.api.tool_calls import PARSERS as TOOL_PARSERS
 from evinfra.api.tool_calls import TaggedCalls, ToolCall
 from evinfra.config import ModelConfig
+from evinfra.control import Service, Submission
 from evinfra.core.contracts import Sampling
 from evinfra.core.events import RequestDone, TokenLogprobs
 from evinfra.errors import EvinfraError, RequestError
-from evinfra.service import Service, Submission
 
 __all__ = ["NO_IMAGES", "Channel", "ChatOutput", "Detokenizer", "Sample", "Stops",
            "chat_reader", "check_model", "joined_text", "max_tokens_for", "outputs",
@@ -43,12 +43,26 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 
 
+class Tokens(msgspec.Struct, gc=False):
+    """Output token ids, on a :class:`Channel`."""
+
+    ids: list[int]
+
+
+class Finished(msgspec.Struct, gc=False):
+    """The request is over, on a :class:`Channel`: its record, and its error if it failed."""
+
+    record: RequestDone
+    error: EvinfraError | None
+
+
 class Channel:
-    """A request's output as an asyncio queue (the service's RequestSink); its
-    log-probabilities go to ``logprobs`` (None: not asked for), its prompt's to ``prompt``."""
+    """A request's output as an asyncio queue of :class:`Tokens` then one :class:`Finished`
+    (the service's RequestSink); its log-probabilities go to ``logprobs`` (None: not asked
+    for), its prompt's to ``prompt``."""
 
     def __init__(self, logprobs: LogprobReader | None = None) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[Tokens | Finished] = asyncio.Queue()
         self.logprobs = logprobs
         self.prompt: TokenLogprobs | None = None
 
@@ -56,12 +70,12 @@ class Channel:
         self.prompt = logprobs
 
     def tokens(self, tokens, logprobs: TokenLogprobs | None) -> None:
-        self.queue.put_nowait([int(t) for t in tokens])
+        self.queue.put_nowait(Tokens([int(t) for t in tokens]))
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.add(logprobs)
 
     def done(self, record: RequestDone, error: EvinfraError | None) -> None:
-        self.queue.put_nowait((record, error))
+        self.queue.put_nowait(Finished(record, error))
 
 
 class Detokenizer:
@@ -299,51 +313,51 @@ async def outputs(service: Service, tok: Tokenizer, sample: Sample, rule: Stops,
 
     while True:
         item = await queue.get()
-        if started is not None and (isinstance(item, list) or item[1] is None):
+        if started is not None and (isinstance(item, Tokens) or item.error is None):
             started()
             started = None
-        if isinstance(item, list):
-            below = min_tokens - 1 - len(detok.ids)  # tokens of this item below the floor
-            if 0 < below < len(item):
-                head = detok.add(item[:below])
-                floor = total + len(head)
-                delta = head + detok.add(item[below:])
-            else:
-                delta = detok.add(item)
-                if below >= len(item):
-                    floor = total + len(delta)
-            total += len(delta)
-            if stops and delta:
-                window = held + delta
-                at = floor - (total - len(window))  # the floor within the window
-                hits = [(i, s) for i, s in ((window.find(s, max(0, at - len(s) + 1)), s)
-                                            for s in stops) if i >= 0]
-                if hits:
-                    cut, sample.stop = min(hits)
-                    if rule.keep:
-                        cut += len(sample.stop)
-                    if cut > 0:
-                        yield "text", window[:cut], new_ids()
-                    service.abort(rid)  # its record arrives synchronously
-                    while not queue.empty():
-                        it = queue.get_nowait()
-                        if isinstance(it, tuple):
-                            sample.record = it[0]
-                    yield "done", "stop", new_ids()
-                    return
-                k = max(partial_marker(window, s) for s in stops)
-                delta, held = window[:len(window) - k], window[len(window) - k:]
-            if delta:
-                yield "text", delta, new_ids()
-            continue
-        record, error = item
-        if error is not None:
-            raise error
-        if held:
-            yield "text", held, new_ids()
-        sample.record = record
-        yield "done", record.finish or "stop", new_ids()
-        return
+        match item:
+            case Finished(record=record, error=error):
+                if error is not None:
+                    raise error
+                if held:
+                    yield "text", held, new_ids()
+                sample.record = record
+                yield "done", record.finish or "stop", new_ids()
+                return
+            case Tokens(ids=ids):
+                below = min_tokens - 1 - len(detok.ids)  # tokens of this item below the floor
+                if 0 < below < len(ids):
+                    head = detok.add(ids[:below])
+                    floor = total + len(head)
+                    delta = head + detok.add(ids[below:])
+                else:
+                    delta = detok.add(ids)
+                    if below >= len(ids):
+                        floor = total + len(delta)
+                total += len(delta)
+                if stops and delta:
+                    window = held + delta
+                    at = floor - (total - len(window))  # the floor within the window
+                    hits = [(i, s) for i, s in ((window.find(s, max(0, at - len(s) + 1)), s)
+                                                for s in stops) if i >= 0]
+                    if hits:
+                        cut, sample.stop = min(hits)
+                        if rule.keep:
+                            cut += len(sample.stop)
+                        if cut > 0:
+                            yield "text", window[:cut], new_ids()
+                        service.abort(rid)  # its record is on the queue when this returns
+                        while not queue.empty():
+                            it = queue.get_nowait()
+                            if isinstance(it, Finished):
+                                sample.record = it.record
+                        yield "done", "stop", new_ids()
+                        return
+                    k = max(partial_marker(window, s) for s in stops)
+                    delta, held = window[:len(window) - k], window[len(window) - k:]
+                if delta:
+                    yield "text", delta, new_ids()
 
 
 def submit_one(service: Service, tok: Tokenizer, request: web.Request,

@@ -1,7 +1,7 @@
 """Where an inferred branch's last answer turns up next: how a hint-less agent's sub-agents
 end and its compactions show.
 
-:mod:`evinfra.directory.chains` sees a branch go on: its next prompt starts with its last one.
+:mod:`evinfra.control.chains` sees a branch go on: its next prompt starts with its last one.
 A harness carries an answer forward two other ways, and neither extends an earlier prompt:
 
 - a parent's next prompt takes in a sub-agent's report (Claude Code's Task tool result): the

@@ -18,7 +18,7 @@ a new hint-less request whose prompt has a tip among its own prefixes extends th
   with its request, and only its tip remains.
 
 A sub-agent's end and a compaction (a fresh context that goes on from a branch's summary)
-show where the branch's last answer turns up next (:mod:`evinfra.directory.carryover`); the
+show where the branch's last answer turns up next (:mod:`evinfra.control.carryover`); the
 end of an agent cannot be seen at all, so the service ends an inferred branch once it has
 been idle for ``server.inferred_branch_idle_s``.
 

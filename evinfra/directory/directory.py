@@ -56,6 +56,13 @@ class Directory:
         assert self.branches.add_node(phase) == idx
         return idx
 
+    def holders(self, block: BlockHash) -> Iterable[int]:
+        """The nodes (by index) that hold ``block`` in some tier."""
+        return self.tree.holders(block)
+
+    def holds(self, block: BlockHash, idx: int) -> bool:
+        return self.tree.holds(block, idx)
+
     def phase(self, node: NodeId) -> Phase:
         return self.branches.phase(self.index(node))
 
@@ -113,6 +120,15 @@ class Directory:
         """E.2 line 11: ``node`` holds the current version; same-phase copies are released."""
         released = self.branches.settle(branch, self.index(node))
         return [self.tree.node_name(m) for m in released]
+
+    def __contains__(self, branch: BranchId) -> bool:
+        """``branch`` is live: stepped (E.1) and not ended."""
+        return branch in self.branches
+
+    def branch_counts(self, branch: BranchId) -> dict[NodeId, int]:
+        """How many blocks ``branch`` counts on each node it is on (``|C[β, n]|``)."""
+        return {self.nodes[i]: len(self.branches.counted(branch, i))
+                for i in self.branches.nodes_of(branch)}
 
     def end(self, branch: BranchId) -> None:
         """E.2 line 13 (raises :class:`~evinfra.errors.UnknownBranchError`)."""

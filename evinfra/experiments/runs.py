@@ -23,7 +23,7 @@ from evinfra.baselines.thunderagent import ProgramScheduler
 from evinfra.config import Config
 from evinfra.core.events import IterationReport
 from evinfra.planner.itermodel import NodeFitter
-from evinfra.service import Service
+from evinfra.control import Service
 from evinfra.sim.control import ControlSummary
 from evinfra.sim.harness import RunSpec, simulate
 from evinfra.workloads.summary import Summary, summarise

@@ -44,7 +44,7 @@ from evinfra.router.strategy import (DecodeOption, DecodeStrategy, FewestRequest
                                      PrefillStrategy, TTFTStrategy)
 from evinfra.router.ttft import PrefillQueue, Prediction, TTFTConfig, estimate, predict
 
-__all__ = ["DecodeBinding", "Held", "Refusal", "Route", "RouteRequest", "Router",
+__all__ = ["DecodeBinding", "Held", "Refusal", "Route", "Routing", "Router",
            "RouterConfig"]
 
 log = structlog.get_logger(__name__)
@@ -65,20 +65,6 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     prior: PriorModel = PriorModel()
     decode_reserve_tokens: PosFloat = 1.0
     """KV room a decode binding needs, as a multiple of the request's input plus max_tokens."""
-
-
-class RouteRequest(msgspec.Struct, frozen=True, gc=False):
-    request: RequestId
-    branch: BranchId
-    tokens: object
-    """uint32 numpy array of the input."""
-    max_tokens: int
-    parent: BranchId | None = None
-    final: bool = False
-    """The branch ends with this request (the harness said so)."""
-    reuse: bool = True
-    """False: the engine recomputes the whole prompt (its log-probabilities are asked for),
-    so no cached prefix counts anywhere and nothing is fetched."""
 
 
 class DecodeBinding(msgspec.Struct, frozen=True, gc=False):
@@ -148,34 +134,72 @@ class _Row(NamedTuple):
 _FLOOR = attrgetter("floor")
 
 
-class _Req:
-    __slots__ = ("id", "branch", "path", "t_in", "need", "final", "reuse", "prefill", "decode",
-                 "started", "done", "admitted", "l1")
+class Estimate(NamedTuple):
+    """E.3 lines 6-9 on one node for one request (:meth:`Router._estimates`)."""
 
-    def __init__(self, rid: RequestId, branch: BranchId, path: HashedPath, t_in: int,
-                 need: int, final: bool, reuse: bool = True) -> None:
-        self.id = rid
+    t_hat: float
+    """``T̂_n``, Eq. 7."""
+    own: int
+    """Tokens of the request's leading prefix the node holds itself."""
+    w_hat: float
+    """``Ŵ_n``: the predicted wait before the request starts."""
+    t_uc: int
+    t_c: int
+    t_rst: int
+    x: int
+    """Tokens to fetch from peers' host memory."""
+
+
+class Routing:
+    """A request as the router routes it, and what the router booked of it.
+
+    The caller creates it (the control plane's ledger record extends it) and the router
+    keeps it while the request is in flight: the fields from ``path`` on are the router's to
+    write, everyone else reads them."""
+
+    __slots__ = ("id", "branch", "tokens", "max_tokens", "parent", "final", "reuse", "path",
+                 "t_in", "need", "prefill", "decode", "started", "done", "admitted", "l1")
+
+    def __init__(self, request: RequestId, branch: BranchId, tokens: np.ndarray,
+                 max_tokens: int, parent: BranchId | None = None, final: bool = False,
+                 reuse: bool = True) -> None:
+        self.id = request
         self.branch = branch
-        self.path = path
-        self.t_in = t_in
-        self.need = need
+        self.tokens = tokens
+        """uint32 numpy array of the input."""
+        self.max_tokens = max_tokens
+        self.parent = parent
         self.final = final
+        """The branch ends with this request (its harness said so, at submit or while the
+        request ran)."""
         self.reuse = reuse
+        """False: the engine recomputes the whole prompt (its log-probabilities are asked
+        for), so no cached prefix counts anywhere and nothing is fetched."""
+        self.path: HashedPath | None = None
+        """The input's full pages, as E.1 stepped the branch when it was first routed."""
+        self.t_in = 0
+        self.need = 0
+        """KV room its decode takes: input plus ``max_tokens``, times the reserve."""
         self.prefill: NodeId | None = None
+        """The node its prefill was sent to (None: held, or not routed yet)."""
         self.decode: NodeId | None = None
+        """The node bound to decode it (None: not bound yet)."""
         self.started = False
         self.done = False
+        """Its prefill is over."""
         self.admitted = False
-        # Leading path blocks each node (by index) held in GPU memory when the request was
-        # last routed: the decode binding's tie-break.
+        """The decode node took it (its first token is out)."""
         self.l1: list[int] = []
+        """Leading path blocks each node (by index) held in GPU memory when it was last
+        routed: the decode binding's tie-break."""
 
 
 _NONE_LEFT = "no {} node to route to: each is down, cordoned or switching"
 
 
 class _Node:
-    __slots__ = ("name", "idx", "phase", "draining", "healthy", "cordoned", "queue", "state",
+    __slots__ = ("name", "idx", "phase", "draining", "told", "healthy", "cordoned", "queue",
+                 "state",
                  "t_rem_at", "decoding", "unadmitted", "running_prefill", "handoff",
                  "last_chosen", "version", "row", "row_q", "row_v")
 
@@ -184,6 +208,7 @@ class _Node:
         self.idx = idx
         self.phase = phase
         self.draining: Phase | None = None  # the phase the node is switching to
+        self.told = False  # its engine was told to switch (it had drained)
         self.healthy = True
         self.cordoned = False  # an operator took it out of routing (maintenance)
         self.queue = PrefillQueue()
@@ -211,7 +236,7 @@ class _View:
     __slots__ = ("_router", "_r", "_nodes", "request", "branch", "path", "t_in", "need",
                  "final", "nodes", "match", "now", "_pred", "_est", "_full")
 
-    def __init__(self, router: "Router", r: _Req, nodes: list[_Node], match: PrefixMatch,
+    def __init__(self, router: "Router", r: Routing, nodes: list[_Node], match: PrefixMatch,
                  now: float) -> None:
         self._router = router
         self._r = r
@@ -224,7 +249,7 @@ class _View:
         self._pred: dict[NodeId, Prediction] = {}
         # t_hats' rows, one per node of ``nodes`` (None: not computed): the chosen node's
         # Prediction reuses its.
-        self._est: list[tuple[float, int, float, int, int, int, int] | None] | None = None
+        self._est: list[Estimate | None] | None = None
         self._full: dict[NodeId, Prediction] = {}
 
     def predict(self, node: NodeId) -> Prediction:
@@ -237,8 +262,8 @@ class _View:
                 e = self._router._estimates(self._r, [self._router._nodes[node]], self.match,
                                             self.now)[0]
                 assert e is not None
-            t_hat, own, w_hat, t_uc, t_c, t_rst, x = e
-            p = self._pred[node] = Prediction(node, t_hat, w_hat, t_uc, t_c, t_rst, x, own)
+            p = self._pred[node] = Prediction(node, e.t_hat, e.w_hat, e.t_uc, e.t_c, e.t_rst, e.x,
+                                              e.own)
         return p
 
     def t_hats(self, margin: float | None = None) -> list[tuple[float, int] | None]:
@@ -286,7 +311,7 @@ class Router:
         self.pool = pool
         self._nodes: dict[NodeId, _Node] = {
             n: _Node(n, directory.index(n), directory.phase(n)) for n in directory.nodes}
-        self._reqs: dict[RequestId, _Req] = {}
+        self._reqs: dict[RequestId, Routing] = {}
         self._models: dict[NodeId, NodeModel] = {}
         p = config.prior
         self._prior = (p.c0, p.c1, p.c2, p.c3)
@@ -345,31 +370,38 @@ class Router:
                               and n.phase in (Phase.PREFILL, Phase.COLLOCATED)]
         return self._eligible
 
-    def route(self, req: RouteRequest, now: float) -> Route | Refusal | Held:
+    def route(self, r: Routing, now: float) -> Route | Refusal | Held:
         """Let the prefill strategy choose ``n*`` (evinfra: ``argmin T̂_n``, ties to the
         longest prefix in the node's own memory); append the request to ``Q_{n*}``; place its
         branch on ``n*`` (Alg. E.2). A decode strategy that binds at submit binds now."""
-        r = self._reqs.get(req.request)
-        if r is None:
-            step = self.directory.step(req.branch, req.tokens, req.parent)
-            t_in = int(np.asarray(req.tokens).size)
-            need = int((t_in + req.max_tokens) * self.config.decode_reserve_tokens)
-            r = _Req(req.request, req.branch, step.path, t_in, need, req.final, req.reuse)
+        r.path = self.directory.step(r.branch, r.tokens, r.parent).path
+        r.t_in = int(np.asarray(r.tokens).size)
+        r.need = int((r.t_in + r.max_tokens) * self.config.decode_reserve_tokens)
+        return self._route(r, now)
+
+    def reroute(self, request: RequestId, now: float) -> Route | Refusal | Held:
+        """Route a request again whose prefill has not started (withdrawn, failed, or held):
+        TTFT re-predicted on the nodes routable now; its branch's path is not stepped
+        again."""
+        return self._route(self._reqs[request], now)
+
+    def _route(self, r: Routing, now: float) -> Route | Refusal | Held:
         nodes = self._prefill_nodes()
         if not nodes:
-            log.warning("route_refused", request=req.request, phase="prefill",
+            log.warning("route_refused", request=r.id, phase="prefill",
                         reason="no routable prefill node")
-            return Refusal(req.request, "prefill", _NONE_LEFT.format("prefill"))
+            return Refusal(r.id, "prefill", _NONE_LEFT.format("prefill"))
         self._reqs[r.id] = r
         if r.reuse:
             match = self.directory.match(r.path)
         else:
-            none = [0] * len(self.directory.tree.nodes)
+            none = [0] * len(self.directory.nodes)
             match = PrefixMatch(0, none, list(none))
         r.l1 = match.own_l1
         view = _View(self, r, nodes, match, now)
         best = self.prefill.choose(view)
         if isinstance(best, Hold):
+            r.prefill = None
             return Held(r.id, best.reason)
         n = self._nodes[best.node]
         binding = None
@@ -409,10 +441,10 @@ class Router:
         n.row_q, n.row_v = q.version, n.version
         return n.row
 
-    def _estimates(self, r: _Req, nodes: list[_Node], match: PrefixMatch, now: float,
+    def _estimates(self, r: Routing, nodes: list[_Node], match: PrefixMatch, now: float,
                    margin: float | None = None
-                   ) -> list[tuple[float, int, float, int, int, int, int] | None]:
-        """E.3 lines 6-9 on each node: ``(T̂_n, own, Ŵ_n, t_uc, t_c, t_rst, x)``. The cached
+                   ) -> list[Estimate | None]:
+        """E.3 lines 6-9 on each node (an :class:`Estimate`). The cached
         prefix ``t_c`` reaches as far as some node holds it when the pool serves it (``x``
         of it fetched), else only ``n``'s own prefix (``own`` tokens). The arithmetic is
         :func:`~evinfra.router.ttft.estimate`'s, in the same order (so the same floats),
@@ -438,7 +470,7 @@ class Router:
         # negative; 0 without one.
         t_rems = [r.t_rem_at - now if now - r.reported <= max_age and r.t_rem_at > now else 0.0
                   for r in rows]
-        out: list[tuple[float, int, float, int, int, int, int] | None] = [None] * len(nodes)
+        out: list[Estimate | None] = [None] * len(nodes)
         order: Iterable[int] = range(len(nodes))
         bounds: list[float] = []
         if margin is not None:
@@ -471,12 +503,12 @@ class Router:
                 if gap > 0.0:
                     done += gap
             t_hat = done + kappa * x
-            out[i] = (t_hat, own, w_hat, t_uc, t_c, t_rst, x)
+            out[i] = Estimate(t_hat, own, w_hat, t_uc, t_c, t_rst, x)
             if t_hat < lo:
                 lo = t_hat
         return out
 
-    def _fetch_plan(self, r: _Req, n: _Node, p: Prediction, match: PrefixMatch
+    def _fetch_plan(self, r: Routing, n: _Node, p: Prediction, match: PrefixMatch
                     ) -> list[FetchRun]:
         """Blocks ``own..t_c`` of the path, in runs from one peer each.
 
@@ -487,7 +519,7 @@ class Router:
             return []
         page = self.directory.page_size
         hashes = r.path.hashes
-        tree = self.directory.tree
+        directory = self.directory
         # The peer whose own prefix reaches furthest (the first on ties): C loops over the
         # nodes, which a route at 64 nodes notices.
         reach = list(match.own)
@@ -499,11 +531,11 @@ class Router:
             if reach[far] > pos:
                 best, stop = far, min(reach[far], end)
             else:
-                best = next(i for i in tree.holders(hashes[pos]) if i != n.idx)
+                best = next(i for i in directory.holders(hashes[pos]) if i != n.idx)
                 stop = pos + 1
-                while stop < end and tree.holds(hashes[stop], best):
+                while stop < end and directory.holds(hashes[stop], best):
                     stop += 1
-            runs.append(FetchRun(tree.node_name(best), pos, hashes[pos:stop]))
+            runs.append(FetchRun(directory.nodes[best], pos, hashes[pos:stop]))
             pos = stop
         return runs
 
@@ -532,14 +564,14 @@ class Router:
                 return Refusal(request, "decode", _NONE_LEFT.format("decode"))
         return self._bind(r, src, dst)
 
-    def _bind(self, r: _Req, src: _Node, dst: _Node) -> DecodeBinding:
+    def _bind(self, r: Routing, src: _Node, dst: _Node) -> DecodeBinding:
         r.decode = dst.name
         dst.decoding.add(r.id)
         dst.unadmitted[r.id] = r.need
         self.directory.place(r.branch, dst.name)
         return DecodeBinding(r.id, dst.name, src.name)
 
-    def _unbind(self, r: _Req) -> None:
+    def _unbind(self, r: Routing) -> None:
         """A request bound at submit goes back to routing before its prefill started: its
         decode node lets it go (the caller aborts the decode order)."""
         if r.decode is not None and not r.started:
@@ -554,7 +586,7 @@ class Router:
             return None
         return s.kv_room - sum(n.unadmitted.values())
 
-    def _decode_node(self, r: _Req, now: float) -> _Node | None:
+    def _decode_node(self, r: Routing, now: float) -> _Node | None:
         nodes = [n for n in self._nodes.values()
                  if self._routable(n) and n.phase is Phase.DECODE]
         if not nodes:
@@ -629,13 +661,15 @@ class Router:
         if started or r.started:
             return None
         self._unbind(r)
-        return self.route(RouteRequest(request, r.branch, None, 0), now)
+        return self._route(r, now)
 
     def node_down(self, node: NodeId) -> list[RequestId]:
         """The node is gone: stop routing to it, drop its blocks and counts. Returns the
         requests that were on it (the engine's ``RequestFailed`` events say what to do)."""
         n = self._nodes[node]
         n.healthy = False
+        # A switch under way dies with the engine: it comes back in the phase it had.
+        n.told = n.draining is not None
         self._eligible = None
         self.directory.node_lost(node)
         return sorted(set(n.queue.requests()) | n.decoding | n.running_prefill)
@@ -674,8 +708,9 @@ class Router:
         self._eligible = None
         if n.phase is Phase.COLLOCATED:
             n.phase = phase
+            self.directory.switch_phase(node, phase)
             return []
-        n.draining = phase
+        n.draining, n.told = phase, False
         return self._unstarted(n)
 
     def withdrawn(self, request: RequestId, node: NodeId, now: float) -> Route | Refusal | None:
@@ -689,7 +724,7 @@ class Router:
             return None
         self.prefill.prefill_done(request, node)
         self._unbind(r)
-        return self.route(RouteRequest(request, r.branch, None, 0), now)
+        return self._route(r, now)
 
     def drained(self, node: NodeId, handoffs: bool = False) -> bool:
         """No work of the old phase is left on a draining node. With ``handoffs`` a prefill
@@ -703,11 +738,27 @@ class Router:
             return not len(n.queue) and not n.running_prefill and not (handoffs and n.handoff)
         return not n.decoding
 
+    def switching(self) -> dict[NodeId, Phase]:
+        """The nodes draining for a switch whose engine has not been told yet, and the phase
+        each will serve."""
+        return {n.name: n.draining for n in self._nodes.values()
+                if n.draining is not None and not n.told}
+
+    def take_drained(self, handoffs: bool = False) -> list[tuple[NodeId, Phase]]:
+        """The nodes of :meth:`switching` that have :meth:`drained`: their engines are to
+        switch now (each is named once)."""
+        out = []
+        for n in self._nodes.values():
+            if n.draining is not None and not n.told and self.drained(n.name, handoffs):
+                n.told = True
+                out.append((n.name, n.draining))
+        return out
+
     def switched(self, node: NodeId, phase: Phase) -> None:
         """The engine serves ``phase`` now; the directory applies E.2 lines 14-15."""
         n = self._nodes[node]
         n.phase = phase
-        n.draining = None
+        n.draining, n.told = None, False
         self._eligible = None
         self.directory.switch_phase(node, phase)
 
@@ -739,8 +790,29 @@ class Router:
             "model": "fitted" if node in self._models else "prior",
         }
 
+    def state(self, node: NodeId) -> NodeState | None:
+        """The node's last report (None before any)."""
+        return self._nodes[node].state
+
     def in_flight(self) -> int:
         return len(self._reqs)
+
+    def requests(self) -> list[RequestId]:
+        """The requests in the router's books (routed or held, not finished)."""
+        return list(self._reqs)
+
+    def check_invariants(self) -> None:
+        """Each node's books hold only requests the router knows, where it sent them."""
+        for n in self._nodes.values():
+            for q in n.queue.requests():
+                assert self._reqs[q].prefill == n.name, f"{q} queued on {n.name}, routed elsewhere"
+            for q in n.running_prefill | n.handoff:
+                assert self._reqs[q].prefill == n.name, f"{q} prefilling on {n.name}, routed elsewhere"
+            for q in n.decoding:
+                assert self._reqs[q].decode == n.name, f"{q} decoding on {n.name}, bound elsewhere"
+            assert n.unadmitted.keys() <= n.decoding, f"{n.name}: unadmitted but not bound"
+            assert n.handoff.isdisjoint(n.queue.requests()), f"{n.name}: handed off yet queued"
+            assert not n.told or n.draining is not None, f"{n.name}: told to switch to nothing"
 
     def loads(self, now: float) -> list[NodeLoad]:
         """Every node's load as the router sees it (O(requests bound to decode))."""

@@ -21,7 +21,7 @@ import numpy as np
 from evinfra.core.bus import Bus
 from evinfra.core.events import PhaseSwitched, RequestDone, SplitChanged
 from evinfra.planner.planner import Decision
-from evinfra.service import Service
+from evinfra.control import Service
 
 __all__ = ["ControlRecorder", "ControlSummary"]
 
@@ -122,7 +122,7 @@ class ControlRecorder:
             final_split=self._label(),
             split_timeline=list(self.timeline),
             decision_log=[(t, r) for t, r in self.decisions if start <= t < end],
-            branches_inferred=self.service.counters["branches_inferred"],
-            requests_chained=self.service.counters["requests_chained"],
-            branches_joined=self.service.counters["branches_joined"],
-            compactions_inferred=self.service.counters["compactions_inferred"])
+            branches_inferred=self.service.counters.branches_inferred,
+            requests_chained=self.service.counters.requests_chained,
+            branches_joined=self.service.counters.branches_joined,
+            compactions_inferred=self.service.counters.compactions_inferred)

@@ -1,7 +1,7 @@
 """The simulator: the real control plane, fake engines and agents on one virtual clock.
 
 Nothing here decides anything the service does not decide in ``serve``: the same
-:class:`~evinfra.service.Service` (bus, router, planner, directory) runs with the fake
+:class:`~evinfra.control.Service` (bus, router, planner, directory) runs with the fake
 engines in their ``batched`` streaming mode (they compute their next state change instead of
 waking every decode iteration) on a :class:`~evinfra.core.clock.VirtualClock`, and the agents
 of :mod:`evinfra.workloads` send it requests through :class:`SimBackend`. What a simulation
@@ -28,7 +28,7 @@ from evinfra.core.clock import VirtualClock
 from evinfra.core.contracts import Sampling
 from evinfra.core.events import RequestDone
 from evinfra.errors import EvinfraError
-from evinfra.service import Service, Submission
+from evinfra.control import Service, Submission
 from evinfra.sim.control import ControlRecorder
 from evinfra.workloads import (AgentRequest, Arrival, Outcome, Phase, RequestRecord, Runner,
                                RunnerStats, Workload)

@@ -15,7 +15,7 @@ from evinfra.api.tokenizer import ByteTokenizer
 from evinfra.config import parse_config
 from evinfra.core.clock import WallClock
 from evinfra.drivers.fake.outputs import OutputPlanner
-from evinfra.service import Service
+from evinfra.control import Service
 
 BASE = {
     "server": {"max_body_bytes": 200_000, "first_token_timeout_s": 5.0, "token_timeout_s": 2.0},

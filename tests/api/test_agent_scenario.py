@@ -111,4 +111,4 @@ async def test_a_final_request_ends_its_branch_after_the_branch_s_other_requests
     r = await long
     assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 40
     assert "par" not in service.directory.branches
-    assert service.bus.errors == 0 and service.counters["ok"] == 2
+    assert service.bus.errors == 0 and service.counters.ok == 2

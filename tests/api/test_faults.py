@@ -26,7 +26,7 @@ async def test_a_crash_mid_decode_fails_the_request_and_the_rest_keeps_serving(c
     resp = await completion(client, "a long story " * 20, max_tokens=400, stream=True)
     assert resp.status == 200
     await resp.content.readline()  # the first chunk: the request is decoding
-    node = next(iter(service._flights.values())).decode
+    node = next(iter(service.ledger)).decode
     engine(service, node).crash()
     body = (await resp.read()).decode()
     assert '"error"' in body and node in body and body.rstrip().endswith("data: [DONE]")
@@ -36,7 +36,7 @@ async def test_a_crash_mid_decode_fails_the_request_and_the_rest_keeps_serving(c
         r = await completion(client, f"still serving {i}")
         assert r.status == 200, await r.text()
         assert (await r.json())["usage"]["completion_tokens"] == 8
-    assert node not in {v.prefill for v in service._flights.values()}
+    assert node not in {v.prefill for v in service.ledger}
 
 
 async def test_a_restarted_node_is_routed_to_again(client, service):
@@ -57,16 +57,16 @@ async def test_a_crash_before_the_prefill_starts_reroutes_the_request(client, se
     engine(service, "n0").stall()  # the first request goes to n0 (all idle, name order)
     task = asyncio.ensure_future(completion(client, "rerouted please", max_tokens=5))
     for _ in range(100):
-        if service._flights:
+        if service.in_flight():
             break
         await asyncio.sleep(0.01)
-    (flight,) = service._flights.values()
+    (flight,) = service.ledger
     assert flight.prefill == "n0"
     engine(service, "n0").crash()
     resp = await task
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["usage"]["completion_tokens"] == 5
-    assert service.counters["rerouted"] == 1
+    assert service.counters.rerouted == 1
 
 
 @pytest.mark.parametrize("config_overrides", [{"server": {"first_token_timeout_s": 0.5}}])
@@ -92,15 +92,15 @@ async def test_a_client_that_goes_away_mid_stream_aborts_its_request(client, ser
     await resp.content.readline()  # the first chunk: the request is decoding
     resp.close()
     for _ in range(200):
-        if not service._flights:
+        if not service.in_flight():
             break
         await asyncio.sleep(0.01)
-    assert not service._flights
-    assert service.counters["aborted"] == 1 and service.counters["failed"] == 0
+    assert not service.in_flight()
+    assert service.counters.aborted == 1 and service.counters.failed == 0
     assert not any(e._decodes or e._prefills for e in service.fake_cluster.engines.values())
     r = await completion(client, "still serving")
     assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 8
-    assert service.counters["ok"] == 1
+    assert service.counters.ok == 1
 
 
 STREAMS = {  # a long streamed request per dialect, and what its error event looks like
@@ -126,11 +126,11 @@ async def test_a_crash_mid_stream_is_an_error_event_in_every_dialect(client, ser
     resp = await client.post(path, json=body)
     assert resp.status == 200
     await resp.content.readline()  # the stream has begun
-    node = next(iter(service._flights.values())).decode
+    node = next(iter(service.ledger)).decode
     engine(service, node).crash()
     text = (await resp.read()).decode()
     assert error in text and node in text
-    assert not service._flights  # every choice of the request is over
+    assert not service.in_flight()  # every choice of the request is over
     r = await completion(client, "still serving")
     assert r.status == 200, await r.text()
 
@@ -165,6 +165,6 @@ async def test_a_request_an_engine_refuses_is_the_clients_error(client, service,
     assert r.status == 400
     assert "refused the request" in (err := (await r.json())["error"])["message"]
     assert "nonsense" in err["message"]
-    assert len(tried) == 1 and service.counters["rejected"] == 1
-    assert service.counters["failed"] == service.counters["rerouted"] == 0
+    assert len(tried) == 1 and service.counters.rejected == 1
+    assert service.counters.failed == service.counters.rerouted == 0
     assert service.in_flight() == 0

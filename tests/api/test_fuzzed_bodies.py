@@ -17,7 +17,7 @@ from evinfra.api.tokenizer import ByteTokenizer
 from evinfra.config import parse_config
 from evinfra.core.clock import WallClock
 from evinfra.drivers.fake.driver import FakeDriver
-from evinfra.service import Service
+from evinfra.control import Service
 from tests.api.conftest import BASE, merged
 
 WORDS = ["auto", "none", "required", "function", "text", "json_object", "user", "assistant",

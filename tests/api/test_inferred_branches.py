@@ -63,14 +63,14 @@ async def test_an_agent_loop_is_one_branch_from_its_second_turn(client, service)
     turn = await chat(client, [{"role": "system", "content": SYSTEM},
                                {"role": "user", "content": "fix the failing test"}])
     # The first request is a branch of one: nothing counted once it is over.
-    assert c["requests_chained"] == 0 and not holds_counts(service)
+    assert c.requests_chained == 0 and not holds_counts(service)
     turn = await chat(client, tool(turn, "test_x failed: KeyError"))
-    assert c["branches_inferred"] == 1 and c["requests_chained"] == 1
+    assert c.branches_inferred == 1 and c.requests_chained == 1
     (branch,) = inferred(service)
     for i in range(3):
         turn = await chat(client, tool(turn, f"edited file {i}"))
     assert inferred(service) == {branch}  # continued, not forked
-    assert c["branches_inferred"] == 1 and c["requests_chained"] == 4
+    assert c.branches_inferred == 1 and c.requests_chained == 4
     assert any(service.branch_counts(branch).values())  # its KV is counted while it waits
     assert service.directory.branches.version(branch) == 1  # appended only, no rewrite
     r = await client.get("/v1/evinfra/status")
@@ -88,13 +88,13 @@ async def test_a_second_continuation_of_one_turn_forks(client, service):
     await asyncio.gather(chat(client, tool(turn, "option a")), chat(client, tool(turn, "b")))
     live = inferred(service)
     assert branch in live and len(live) == 2  # the branch and its fork
-    assert service.counters["branches_inferred"] == 2
+    assert service.counters.branches_inferred == 2
 
 
 async def test_unrelated_requests_hold_no_counts(client, service):
     for i in range(4):
         await chat(client, [{"role": "user", "content": f"question {i}: " + "why? " * 40}])
-    assert service.counters["requests_chained"] == 0
+    assert service.counters.requests_chained == 0
     assert not inferred(service) and not holds_counts(service)
     assert not service.directory.branches.branches()
 
@@ -125,7 +125,7 @@ async def test_a_compaction_that_restarts_from_the_summary_rewrites_the_branch(c
     # ... which the compacted context carries after the same system prompt.
     compacted = [system, {"role": "user", "content": f"Earlier work, summarized:\n{summary}"}]
     turn = await chat(client, compacted)
-    assert inferred(service) == {branch} and c["compactions_inferred"] == 1
+    assert inferred(service) == {branch} and c.compactions_inferred == 1
     assert service.directory.branches.version(branch) == 2  # E.1: a rewrite
     await chat(client, tool(turn, "resumed"))
     assert inferred(service) == {branch} and service.directory.branches.version(branch) == 2
@@ -140,7 +140,7 @@ async def test_a_sub_agents_report_taken_in_by_its_parent_ends_it(client, servic
     assert inferred(service) == {p, s} and service.directory.branches.version(s) == 1
     # The parent's next prompt takes the report in: the sub-agent is over.
     await chat(client, parent + [{"role": "user", "content": f"Task result: {report}"}])
-    assert inferred(service) == {p} and c["branches_joined"] == 1
+    assert inferred(service) == {p} and c.branches_joined == 1
     assert s not in service.directory.branches and any(service.branch_counts(p).values())
     r = await client.get("/metrics")
     assert 'evinfra_inferred_branch_events_total{event="branches_joined"} 1.0' in await r.text()
@@ -154,7 +154,7 @@ async def test_only_a_whole_answer_of_an_idle_branch_ends_it(client, service):
     resp = await stream_chat(client, tool(sub, "more"))
     await resp.content.readline()
     await chat(client, parent + [{"role": "user", "content": f"Task result: {report}"}])
-    assert s in inferred(service) and service.counters["branches_joined"] == 0
+    assert s in inferred(service) and service.counters.branches_joined == 0
     # Cut off mid-answer (the client went away): what it got so far is no answer either.
     text = ""
     while len(text) < 80:
@@ -163,12 +163,12 @@ async def test_only_a_whole_answer_of_an_idle_branch_ends_it(client, service):
             text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
     resp.close()
     for _ in range(200):
-        if not service._flights:
+        if not service.in_flight():
             break
         await asyncio.sleep(0.01)
-    assert service.counters["aborted"] == 1
+    assert service.counters.aborted == 1
     await chat(client, parent + [{"role": "user", "content": f"Task result: {text}"}])
-    assert s in inferred(service) and service.counters["branches_joined"] == 0
+    assert s in inferred(service) and service.counters.branches_joined == 0
 
 
 @pytest.mark.parametrize("config_overrides", [{"server": {"inferred_branch_idle_s": 0.3}}])
@@ -178,10 +178,10 @@ async def test_an_idle_inferred_branch_ends_and_its_tip_starts_anew(client, serv
     (branch,) = inferred(service)
     await asyncio.sleep(0.7)
     assert branch not in service.directory.branches and not holds_counts(service)
-    assert service.counters["branches_expired"] == 1 and len(service.chains) == 0
+    assert service.counters.branches_expired == 1 and len(service.chains) == 0
     await chat(client, tool(turn, "back after a long pause"))
     (again,) = inferred(service)
-    assert again != branch and service.counters["branches_inferred"] == 2
+    assert again != branch and service.counters.branches_inferred == 2
 
 
 async def test_hints_win_and_forks_of_n_choices_stay_branches_of_one(client, service):
@@ -193,7 +193,7 @@ async def test_hints_win_and_forks_of_n_choices_stay_branches_of_one(client, ser
         "model": MODEL, "messages": msgs + [{"role": "user", "content": "more"}],
         "max_tokens": 4, "n": 3})
     assert r.status == 200
-    assert service.counters["requests_chained"] == 0  # hinted tips are not indexed
+    assert service.counters.requests_chained == 0  # hinted tips are not indexed
     assert set(service.directory.branches.branches()) == {"h"}
     r = await client.get("/v1/branches/h")
     assert (await r.json())["inferred"] is False
@@ -210,7 +210,7 @@ async def test_messages_api_requests_chain(client, service):
     turn = await send([{"role": "user", "content": "list the files"}])
     for i in range(2):
         turn = await send(turn + [{"role": "user", "content": f"ls output {i} " * 5}])
-    assert len(inferred(service)) == 1 and service.counters["requests_chained"] == 2
+    assert len(inferred(service)) == 1 and service.counters.requests_chained == 2
 
 
 @pytest.mark.parametrize("config_overrides", [{"server": {"infer_branches": False}}])
@@ -218,5 +218,5 @@ async def test_without_inference_each_request_is_a_branch_of_one(client, service
     turn = await chat(client, [{"role": "system", "content": SYSTEM},
                                {"role": "user", "content": "go"}])
     await chat(client, tool(turn, "done"))
-    assert service.chains is None and service.counters["requests_chained"] == 0
+    assert service.chains is None and service.counters.requests_chained == 0
     assert not service.directory.branches.branches() and not holds_counts(service)

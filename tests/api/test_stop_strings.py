@@ -69,8 +69,8 @@ async def test_min_tokens_however_the_output_arrives(split):
     ids = list(b"ENDabcEND")
     sample = Sample(0, "r", None)
     for part in ([ids] if split is None else [ids[:split], ids[split:]]):
-        sample.channel.queue.put_nowait(part)
-    sample.channel.queue.put_nowait((None, None))
+        sample.channel.tokens(part, None)
+    sample.channel.done(None, None)
     got = [item async for item in outputs(Service(), ByteTokenizer(), sample,
                                           Stops(["END"], 5))]
     assert "".join(i[1] for i in got if i[0] == "text") == "ENDabc"

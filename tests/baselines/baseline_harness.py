@@ -1,5 +1,5 @@
 """A service on fast fake engines in virtual time, for the baselines' mechanism tests: the
-same :class:`~evinfra.service.Service` ``serve`` and ``simulate`` run, with ``[policy]``."""
+same :class:`~evinfra.control.Service` ``serve`` and ``simulate`` run, with ``[policy]``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from evinfra.core.bus import Bus
 from evinfra.core.clock import VirtualClock
 from evinfra.core.contracts import Sampling
 from evinfra.core.events import RequestDone
-from evinfra.service import Service, Submission
+from evinfra.control import Service, Submission
 
 FAST = {"c0": 0.001, "c1": 1e-6, "c2": 1e-12, "d0": 0.001, "d1": 0.001, "d2": 1e-5,
         "switch_latency": 0.01, "heartbeat_s": 0.2}
@@ -37,7 +37,7 @@ def config(policy: str = "evinfra", nodes: int = 4, prefill: int = 2, **over: An
 
 
 class Sink:
-    """A :class:`~evinfra.service.RequestSink` that keeps what it gets."""
+    """A :class:`~evinfra.control.RequestSink` that keeps what it gets."""
 
     def __init__(self) -> None:
         self.out: list[int] = []

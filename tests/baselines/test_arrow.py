@@ -9,7 +9,7 @@ from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import BlockStored, RequestDone
 from evinfra.planner.itermodel import NodeModel
 from evinfra.planner.planner import PlannerConfig, Split
-from evinfra.router.router import Route, RouteRequest
+from evinfra.router.router import Route, Routing
 
 
 def test_arrow_routes_by_full_input_and_ignores_the_cached_prefix() -> None:
@@ -21,7 +21,7 @@ def test_arrow_routes_by_full_input_and_ignores_the_cached_prefix() -> None:
     for medium in ("GPU", "CPU_PINNED"):
         sim.service.directory.apply("n0", BlockStored(path, None, [], 64, medium=medium))
     router._nodes["n0"].queue.add("x", 2000, 0, 0)  # n0 a little busier, but holds the prefix
-    route = router.route(RouteRequest("q", "q", np.concatenate([toks, tokens(100, 4)]), 8), 40.0)
+    route = router.route(Routing("q", "q", np.concatenate([toks, tokens(100, 4)]), 8), 40.0)
     assert isinstance(route, Route)
     assert route.node == "n1" and route.fetch == []  # TTFT routing would keep it on n0
     assert route.prediction.t_c == 0 and route.prediction.t_uc == 20100  # booked at full length

@@ -15,7 +15,7 @@ from evinfra.baselines import POLICIES
 from evinfra.cli import main
 from evinfra.config import load_config
 from evinfra.core.clock import WallClock
-from evinfra.service import Service
+from evinfra.control import Service
 
 SMALL = """
 [cluster]

@@ -6,7 +6,7 @@ import numpy as np
 from baseline_harness import Sim, config, tokens
 
 from evinfra.core.events import BlockStored
-from evinfra.router.router import Route, RouteRequest
+from evinfra.router.router import Route, Routing
 
 
 def decode_reserved(sim: Sim) -> dict[str, int]:
@@ -54,7 +54,7 @@ def test_private_host_memory_plans_no_fetch_the_pool_does() -> None:
         router = sim.service.router
         for i in range(40):  # load n0 so that n1 is the better choice
             router._nodes["n0"].queue.add(f"x{i}", 8192, 0, 0)
-        route = router.route(RouteRequest("q", "q", np.concatenate([toks, tokens(500, 8)]),
+        route = router.route(Routing("q", "q", np.concatenate([toks, tokens(500, 8)]),
                                           10), 40.0)
         assert isinstance(route, Route)
         assert bool(route.fetch) is fetches, policy

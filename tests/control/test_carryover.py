@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from evinfra.directory.carryover import M, W, Answer, Carried, CarryIndex
+from evinfra.control.carryover import M, W, Answer, Carried, CarryIndex
 
 rng = np.random.default_rng(11)
 

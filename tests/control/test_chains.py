@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from evinfra.directory.chains import ChainIndex, Inferred
+from evinfra.control.chains import ChainIndex, Inferred
 
 P = 4
 rng = np.random.default_rng(3)

@@ -79,7 +79,7 @@ def test_the_finder_sees_a_cycle():
 def test_the_finder_reads_every_kind_of_import():
     graph = module_imports()
     assert "evinfra.core.contracts" in graph["evinfra.drivers.base"]  # from-import
-    assert "evinfra.drivers.sglang" in graph["evinfra.service"]  # inside a function
+    assert "evinfra.drivers.sglang" in graph["evinfra.control.service"]  # inside a function
     assert "evinfra.drivers.fake.records" in graph["evinfra.drivers.fake.decode"]
 
 

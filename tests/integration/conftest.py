@@ -193,7 +193,7 @@ class ServiceThread:
         from evinfra.api import build_app
         from evinfra.api.tokenizer import load_tokenizer
         from evinfra.core.clock import WallClock
-        from evinfra.service import Service
+        from evinfra.control import Service
 
         try:
             self._stop = asyncio.Event()

@@ -146,7 +146,7 @@ def test_forced_split_switches_both_engines_and_traffic_continues(svc, client, e
         max_tokens=5, temperature=0.5, top_p=0.9, seed=4, frequency_penalty=0.5,
         presence_penalty=0.25, extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
     assert r.choices[0].finish_reason in ("stop", "length")
-    record = svc.call(lambda s: (s.counters["ok"], s.counters["switches"]))
+    record = svc.call(lambda s: (s.counters.ok, s.counters.switches))
     assert record[0] >= 3 and record[1] >= 1
 
 

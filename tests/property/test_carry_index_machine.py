@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 
-from evinfra.directory.carryover import M, W, Answer, CarryIndex
+from evinfra.control.carryover import M, W, Answer, CarryIndex
 from tests.conftest import MIN_STEPS
 
 STEPS = {"n": 0}

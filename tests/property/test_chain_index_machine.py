@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from evinfra.directory.chains import ChainIndex, Inferred
+from evinfra.control.chains import ChainIndex, Inferred
 from tests.conftest import MIN_STEPS
 
 PAGE = 2

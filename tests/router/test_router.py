@@ -4,7 +4,7 @@ import pytest
 from evinfra.core.events import BlockStored, NodeState, PrefillItem
 from evinfra.core.types import Phase
 from evinfra.directory import Directory
-from evinfra.router.router import DecodeBinding, Refusal, Route, RouteRequest, Router, RouterConfig
+from evinfra.router.router import DecodeBinding, Refusal, Route, Router, RouterConfig, Routing
 from evinfra.router.strategy import TTFTStrategy
 from evinfra.router.ttft import TTFTConfig
 
@@ -25,8 +25,8 @@ def hold(router: Router, node: str, tokens: np.ndarray) -> list[int]:
     return path
 
 
-def req(rid: str, tokens, branch=None, parent=None, max_tokens=100) -> RouteRequest:
-    return RouteRequest(rid, branch or rid, tokens, max_tokens, parent)
+def req(rid: str, tokens, branch=None, parent=None, max_tokens=100) -> Routing:
+    return Routing(rid, branch or rid, tokens, max_tokens, parent)
 
 
 def load(router: Router, node: str, n: int, now: float = 0.0) -> None:
@@ -246,7 +246,7 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
     what no request changes). Asked for the nodes near the least T̂ only, it skips nodes by
     a lower bound that holds, and only nodes outside the margin."""
     from evinfra.planner.itermodel import NodeModel
-    from evinfra.router.router import _Req, _View
+    from evinfra.router.router import _View
     from evinfra.router.ttft import estimate
 
     g = np.random.default_rng(seed)
@@ -273,8 +273,13 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
     eligible = r._prefill_nodes()
     cfg = r.config.ttft
 
+    def routed() -> Routing:
+        q = Routing("q", "b", tokens, 0)
+        q.path, q.t_in = step.path, int(tokens.size)
+        return q
+
     def check(now: float) -> None:
-        got = r._estimates(_Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+        got = r._estimates(routed(), eligible, match, now)
         for n, (t_hat, own, w_hat, t_uc, t_c, t_rst, x) in zip(eligible, got):
             i = r.directory.index(n.name)
             assert own == min(match.own[i] * PAGE, tokens.size - 1)
@@ -284,7 +289,7 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
             assert t_rst == own - min(match.own_l1[i] * PAGE, own) + x
             assert (t_hat, w_hat) == estimate(n.queue, r.coefficients(n.name), r._t_rem(n, now),
                                               t_uc, t_c, t_rst, x, cfg)
-        view = _View(r, _Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+        view = _View(r, routed(), eligible, match, now)
         assert view.t_hats() == [e[:2] for e in got]
         assert [view.predict(n).t_hat for n in view.nodes] == [e[0] for e in got]
         # Each node's floor bounds its T̂ from below, so the nodes a bound rules out are
@@ -293,7 +298,7 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
             assert r._t_rem(n, now) + n.row.floor <= e[0]
         lo = min(e[0] for e in got)
         for margin in (0.0, 2e-9, 0.01, 0.1):
-            near = r._estimates(_Req("q", "b", step.path, tokens.size, 0, False), eligible,
+            near = r._estimates(routed(), eligible,
                                 match, now, margin)
             for e, full in zip(near, got):
                 assert e == full or (e is None and full[0] - lo > margin)
@@ -303,7 +308,7 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
         least = round(lo, 9)
         ref = min((i for i, e in enumerate(got) if round(e[0], 9) == least),
                   key=lambda i: (-got[i][1], view.last_chosen(view.nodes[i]), view.nodes[i]))
-        view = _View(r, _Req("q", "b", step.path, tokens.size, 0, False), eligible, match, now)
+        view = _View(r, routed(), eligible, match, now)
         assert TTFTStrategy().choose(view).node == view.nodes[ref]
 
     skipped: list[int] = []

@@ -32,7 +32,7 @@ class OutputPlanner:
     request's decode). The stride is odd, so a read never repeats within the pool's length,
     and two requests with different strides share no run of ids, as two answers of a real
     model share no long verbatim run: the service recognises an agent's answer by its
-    content when it turns up in another prompt (:mod:`evinfra.directory.carryover`)."""
+    content when it turns up in another prompt (:mod:`evinfra.control.carryover`)."""
 
     POOL = 1 << 20
 

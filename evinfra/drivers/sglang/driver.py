@@ -11,7 +11,7 @@ the network.
 
 Events answering a *command* (a refusal at submit, ``Withdrawn``) are published from inside
 it, as the fake engines' are: the bus runs commands to completion and delivers them after
-(``core/bus.py``). A request's outcome is published once (``_Flight.closed``); after
+(``core/bus.py``). A request's outcome is published once (``_Leg.closed``); after
 ``abort`` nothing follows.
 
 Deviation from the paper (D.1), forced by stock SGLang PD: a prefill engine keeps a request in
@@ -83,7 +83,9 @@ class DriverSettings(msgspec.Struct, frozen=True, kw_only=True):
     """How often a down engine is looked for (a restarted one rejoins the cluster)."""
 
 
-class _Flight:
+class _Leg:
+    """One side (prefill or decode) of a request on this engine: its HTTP stream."""
+
     __slots__ = ("request", "kind", "rid", "task", "accepted", "closed", "source", "bootstrap")
 
     def __init__(self, request: RequestId, kind: str, rid: str, source: NodeId,
@@ -114,7 +116,7 @@ class SGLangDriver:
         self.phase: Phase | None = None
         self._down = False
         self._stopping = False
-        self._flights: dict[tuple[RequestId, str], _Flight] = {}
+        self._flights: dict[tuple[RequestId, str], _Leg] = {}
         self._tasks: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
         self._kv: KVSubscriber | None = None
@@ -221,7 +223,7 @@ class SGLangDriver:
                                            f"engine {self.node} is down", started=False))
             return
         boot = self.pairs.open(order.request, self.node, now)
-        f = _Flight(order.request, "prefill", f"{order.request}-p{boot.room:x}", self.node, boot)
+        f = _Leg(order.request, "prefill", f"{order.request}-p{boot.room:x}", self.node, boot)
         self._flights[(order.request, "prefill")] = f
         self.stats["prefills"] += 1
         f.task = self._spawn(self._run_prefill(f, order))
@@ -234,7 +236,7 @@ class SGLangDriver:
                    f"no open prefill of this request on {order.source} to pair with")
             self.bus.publish(RequestFailed(order.request, self.node, now, why, started=True))
             return
-        f = _Flight(order.request, "decode", f"{order.request}-d{boot.room:x}", order.source,
+        f = _Leg(order.request, "decode", f"{order.request}-d{boot.room:x}", order.source,
                     boot)
         self._flights[(order.request, "decode")] = f
         self.stats["decodes"] += 1
@@ -298,7 +300,7 @@ class SGLangDriver:
         self.stats["fetch_plans_sent"] += 1
         return fetch_kv_hints(FetchPlan(self.page_size, runs), str(order.request))
 
-    async def _run_prefill(self, f: _Flight, order: PrefillOrder) -> None:
+    async def _run_prefill(self, f: _Leg, order: PrefillOrder) -> None:
         body = generate_body(order.tokens, order.sampling, f.rid, f.bootstrap,
                              self._priority(order.final), self._fetch_hints(order),
                              prefill=True)
@@ -339,7 +341,7 @@ class SGLangDriver:
                 self.pairs.close(f.request, self.node)
             self._forget(f)
 
-    def _prefill_done(self, f: _Flight, chunk: Chunk, prompt: bool) -> None:
+    def _prefill_done(self, f: _Leg, chunk: Chunk, prompt: bool) -> None:
         if f.closed:
             return
         f.closed = True
@@ -357,7 +359,7 @@ class SGLangDriver:
                                      fetched=fetched, computed=computed,
                                      prompt_logprobs=prompt_logprobs(meta) if prompt else None))
 
-    async def _run_decode(self, f: _Flight, order: DecodeOrder) -> None:
+    async def _run_decode(self, f: _Leg, order: DecodeOrder) -> None:
         body = generate_body(order.tokens, order.sampling, f.rid, f.bootstrap,
                              self._priority(order.final))
         cursor = OutputCursor()
@@ -425,7 +427,7 @@ class SGLangDriver:
                 return
             yield item
 
-    def _fail(self, f: _Flight, failure: Failure) -> None:
+    def _fail(self, f: _Leg, failure: Failure) -> None:
         if failure.unreachable and not self._stopping:
             self._spawn(self._probe())
         if f.closed:
@@ -440,7 +442,7 @@ class SGLangDriver:
                                        f"{self.node}: {failure.message}", started,
                                        failure.rejected))
 
-    def _end(self, f: _Flight) -> None:
+    def _end(self, f: _Leg) -> None:
         """Stop a flight quietly (abort, withdraw): cancel its stream, tell the engine."""
         f.closed = True
         if f.task is not None:
@@ -453,7 +455,7 @@ class SGLangDriver:
             # The engine may hold it (a prefill waits in its bootstrap queue): free it there.
             self._spawn(self._abort_on_engine(f.rid))
 
-    def _forget(self, f: _Flight) -> None:
+    def _forget(self, f: _Leg) -> None:
         key = (f.request, f.kind)
         if self._flights.get(key) is f:
             del self._flights[key]

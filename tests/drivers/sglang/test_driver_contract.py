@@ -14,7 +14,6 @@ here to share it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import msgspec
 import numpy as np
@@ -28,7 +27,7 @@ from evinfra.core.contracts import Sampling
 from evinfra.core.events import PrefillStarted, RequestDone, TokensOut, Withdrawn
 from evinfra.drivers.sglang.driver import SGLangDriver
 from evinfra.drivers.sglang.pairs import PairBook
-from evinfra.service import Service, Submission
+from evinfra.control import Service, Submission
 from test_sglang_driver_shell import FAST, FakeEngine, until
 
 EVENT_TYPES = [t for t in vars(events_module).values()

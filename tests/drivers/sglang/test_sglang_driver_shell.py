@@ -386,7 +386,7 @@ async def test_an_engine_still_starting_is_waited_for_and_the_wait_is_said_once(
 
 async def test_node_urls_must_be_http_base_urls():
     from evinfra.config import parse_config
-    from evinfra.service import Service
+    from evinfra.control import Service
 
     config = parse_config({"cluster": {"driver": "sglang", "initial_prefill": 1, "nodes": [
         {"name": "a", "url": "localhost:30000"}, {"name": "b", "url": "http://127.0.0.1:1"}]}})
@@ -398,7 +398,7 @@ async def test_node_urls_must_be_http_base_urls():
 async def service_over(engines: dict[str, FakeEngine]):
     """The control plane in front of ``engines`` (started here), stopped with them."""
     from evinfra.config import parse_config
-    from evinfra.service import Service
+    from evinfra.control import Service
 
     for e in engines.values():
         await e.start()

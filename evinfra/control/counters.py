@@ -1,0 +1,34 @@
+"""What the control plane counted since it started (``/v1/evinfra/status``, ``/metrics``,
+the simulator's report)."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["Counters"]
+
+
+class Counters(msgspec.Struct, gc=False):
+    """``submitted = ok + failed + aborted + rejected`` once nothing is in flight;
+    ``refused`` requests were never submitted."""
+
+    submitted: int = 0
+    ok: int = 0
+    failed: int = 0
+    """Ended by the cluster: an engine error, a node lost, a timeout, no node left."""
+    aborted: int = 0
+    """The client went away."""
+    rejected: int = 0
+    """The engine refused the request itself (a bad request, not a failure of the cluster)."""
+    refused: int = 0
+    """No node could take it at submit (HTTP 503)."""
+    rerouted: int = 0
+    """Routed again after a failure before its prefill started."""
+    timeouts: int = 0
+    switches: int = 0
+    """Splits applied (the exit from the collocated warm-up included)."""
+    branches_expired: int = 0
+    branches_inferred: int = 0
+    requests_chained: int = 0
+    branches_joined: int = 0
+    compactions_inferred: int = 0

@@ -276,6 +276,9 @@ class Lifecycle:
         if not f.admitted:
             f.first = ev.time
             self.router.decode_admitted(ev.request, ev.node)
+            if f.timer is not None:  # the token limit counts from here, not from arrival
+                f.timer.cancel()
+                self._arm_timer(f)
             self._set_decoding(self._decoding + 1)
             self.engines.flush_hints()
             self.switching.check_drains()

@@ -91,7 +91,7 @@ def stall_decoders_at_first_token(sim: VSim):
 
 
 def test_no_output_after_the_first_token_fails_at_the_token_limit():
-    # token_timeout_s > first_token_timeout_s here; see the xfail below for the other order.
+    # token_timeout_s > first_token_timeout_s here; the next test has the other order.
     sim = VSim(server={"first_token_timeout_s": 2.0, "token_timeout_s": 3.0})
     s = sim.submit("r0", prompt(640), max_tokens=500, on_tokens=stall_decoders_at_first_token(sim))
     sim.step_until(lambda: bool(s.token_times), dt=EPS)
@@ -110,18 +110,20 @@ def test_no_output_after_the_first_token_fails_at_the_token_limit():
     assert s.done_calls == 1 and len(s.out) == 1  # nothing comes after the failure
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Service arms one timer per request at submit, at arrival + first_token_timeout_s, and "
-    "only re-arms it from there: a request that stalls right after its first token fails "
-    "at arrival + first_token_timeout_s (here 5 s) instead of first token + "
-    "token_timeout_s (2 s), with a message that says 2 s"))
 def test_the_token_limit_counts_from_the_first_token_when_it_is_the_shorter():
+    """The timer armed at arrival for the first-token limit (5 s) is re-armed at the first
+    token for the token limit (2 s): a stall right after the first token fails at
+    first + 2 s, not at arrival + 5 s."""
     sim = VSim(server={"first_token_timeout_s": 5.0, "token_timeout_s": 2.0})
     s = sim.submit("r0", prompt(640), max_tokens=500, on_tokens=stall_decoders_at_first_token(sim))
     sim.step_until(lambda: bool(s.token_times), dt=EPS)
     first = s.token_times[0]
+    sim.run_to(first + 2.0 - EPS)
+    assert not s.finished
     sim.run_to(first + 2.0)
     assert s.finished and s.error is not None and s.error.timeout
+    assert "no output within 2 s" in s.error.message
+    assert sim.counters()["timeouts"] == 1
 
 
 def test_stop_fails_what_is_in_flight_and_refuses_new_work():

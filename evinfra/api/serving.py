@@ -1,4 +1,5 @@
-"""What the API's dialects (OpenAI's routes, Anthropic's) share to serve one request.
+"""What the API's dialects (OpenAI's, Anthropic's and the Responses API's routes) share to serve
+one request.
 
 A request is read for its agent hints, checked against the model's context, submitted to the
 service as one or more :class:`Sample` (one per choice), and each sample's output is read back

@@ -5,8 +5,9 @@ big-endian signed sequence number, ``payload`` a msgpack array ``[ts, [events], 
 Each event is a msgpack map tagged by ``type`` (the class name); fields left at their default
 are omitted (SGLang ``disaggregation/kv_events.py``: ``EventBatch``, ``KVCacheEvent``).
 
-The fake engine encodes these same structs, so the directory is fed the same bytes by fake and
-real engines. Decoding validates; a batch with one bad event keeps its good ones.
+The fake engines publish these same structs (in memory, on the bus), so the directory applies
+the same events from fake and real engines. Decoding validates; a batch with one bad event
+keeps its good ones.
 """
 
 from __future__ import annotations
@@ -22,12 +23,27 @@ __all__ = [
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "END_SEQ",
+    "IterationReport",
     "KVEvent",
     "KVEventBatch",
     "KVEventDecoder",
+    "NodeDown",
+    "NodeKVEvents",
+    "NodeState",
+    "NodeUp",
+    "PhaseSwitched",
+    "PrefillDone",
+    "PrefillItem",
+    "PrefillStarted",
+    "RequestDone",
+    "RequestFailed",
+    "SplitChanged",
+    "TokenLogprobs",
+    "TokensOut",
+    "Withdrawn",
     "encode_frames",
     "encode_payload",
-    "END_SEQ",
 ]
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]

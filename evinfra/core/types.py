@@ -1,7 +1,7 @@
-"""The shared vocabulary: identifiers, phases, tiers and the work of a request (paper Table 1).
+"""The shared vocabulary: identifiers, phases, tiers, and a prefill's query-key pairs.
 
-Everything here is plain data. Names follow the paper: a request's work is
-``w = (t_uc, t_c, t_out, t_acc)``; ``A`` is its query-key pairs (paper 5.1).
+Everything here is plain data. Names follow the paper (Table 1): ``A`` is a prefill's
+query-key pairs for ``t_uc`` uncached and ``t_c`` cached input tokens (paper 5.1).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ __all__ = [
     "PosInt",
     "RequestId",
     "Tier",
-    "Work",
     "qk_pairs",
 ]
 
@@ -76,21 +75,3 @@ class Tier(enum.IntEnum):
 def qk_pairs(t_uc: float, t_c: float) -> float:
     """``A = t_uc * t_c + t_uc (t_uc + 1) / 2``: query-key pairs of a prefill (paper 5.1)."""
     return t_uc * t_c + t_uc * (t_uc + 1) / 2
-
-
-class Work(msgspec.Struct, frozen=True, gc=False):
-    """The work ``w = (t_uc, t_c, t_out, t_acc)`` of one request (paper Table 1).
-
-    ``t_uc`` uncached input tokens, ``t_c`` cached input tokens, ``t_out`` output tokens,
-    ``t_acc`` tokens a decode iteration advances the request by on average (> 1 with
-    speculative decoding).
-    """
-
-    t_uc: float
-    t_c: float
-    t_out: float = 0.0
-    t_acc: float = 1.0
-
-    @property
-    def A(self) -> float:  # noqa: N802 - the paper's name
-        return qk_pairs(self.t_uc, self.t_c)

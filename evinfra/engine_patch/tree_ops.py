@@ -195,7 +195,3 @@ def republish(tree_cache: Any) -> int:
                 pages += len(node.key) // core.page_size
             stack.extend(node.children.values())
     return pages
-
-
-def node_alive(tree_core: Any, node_id: Any) -> bool:
-    return node_id in tree_core._node_arena

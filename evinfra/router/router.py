@@ -19,9 +19,11 @@ A request walks: :meth:`route` (E.1 step, directory lookup, the strategy chooses
 place the branch; a decode strategy that binds at submit binds here) →
 :meth:`prefill_started` (bind decode, place the branch) →
 :meth:`prefill_done` (``n*`` holds the version: settle) → :meth:`decode_admitted` (settle
-on the decode node) → :meth:`finished`. A switch walks :meth:`begin_switch` (stop routing
-the old phase, withdraw queued requests) → :meth:`withdrawn` (route again) → :meth:`drained`
-→ :meth:`switched`.
+on the decode node) → :meth:`finished`; one whose prefill had not started may go back to
+routing (:meth:`withdrawn`, :meth:`failed`, or :meth:`reroute` once a strategy releases it).
+A switch walks :meth:`begin_switch` (stop routing the old phase, withdraw queued requests) →
+:meth:`withdrawn` (route again) → :meth:`take_drained` (the engine may switch now) →
+:meth:`switched`. The router is the one writer of a node's phase.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """What the control plane did during a run: queueing per prefill node, switches, the split.
 
 Read off the bus as the run goes (``RequestDone``, ``SplitChanged``, ``PhaseSwitched``, the
-planner's ``Decision``s), so it measures the service without reaching into it:
+planner's ``Decision``s), and the service's public ``counters``, so it measures the service
+without reaching into it. The phases it tracks are those the engines report serving
+(``PhaseSwitched``): a switch's time runs from the decision to the node serving its new
+phase, while the router routes by the new phase from the decision on:
 
 * prefill queueing: from a request's arrival to the start of its prefill, per prefill node;
   per scored minute the busiest node's mean over the nodes' average (paper C.3, Table C.2);

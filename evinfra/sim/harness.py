@@ -5,8 +5,8 @@ Nothing here decides anything the service does not decide in ``serve``: the same
 engines in their ``batched`` streaming mode (they compute their next state change instead of
 waking every decode iteration) on a :class:`~evinfra.core.clock.VirtualClock`, and the agents
 of :mod:`evinfra.workloads` send it requests through :class:`SimBackend`. What a simulation
-adds is only the clock, the workload injection and the measurements (``control.py``,
-``summary.py``).
+adds is only the clock, the workload injection and the measurements (``control.py``, and
+:mod:`evinfra.workloads.summary`).
 
 Two things differ from ``serve`` on purpose: request timeouts are off (a simulation measures
 an overloaded split's latency instead of failing it), and the engines do not stream every

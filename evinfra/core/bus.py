@@ -18,8 +18,7 @@ one bad event must not crash the control plane.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 import structlog
 
@@ -34,37 +33,41 @@ class Bus:
     def __init__(self) -> None:
         self._subs: dict[type, list[Callable[[Any], None]]] = defaultdict(list)
         self._queue: deque[object] = deque()
-        self._busy = False
+        self._busy = 0  # commands running, plus one while delivering
         self.errors = 0
 
     def subscribe(self, event_type: type[E], handler: Callable[[E], None]) -> None:
         self._subs[event_type].append(handler)
 
     def publish(self, event: object) -> None:
-        self._queue.append(event)
-        if not self._busy:
-            self._deliver()
-
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """A command runs: what it causes is delivered after it. Nested (a command inside a
-        handler or another command), it changes nothing."""
+        queue = self._queue
         if self._busy:
-            yield
-            return
-        self._busy = True
-        try:
-            yield
-        finally:
-            self._busy = False
-            self._deliver()
+            queue.append(event)
+        elif queue:  # left over by a delivery that a BaseException cut short: in order
+            queue.append(event)
+            self._deliver(queue.popleft())
+        else:
+            self._deliver(event)
 
-    def _deliver(self) -> None:
+    def running(self) -> "Bus":
+        """``with bus.running():`` a command runs: what it causes is delivered after it.
+        Nested (a command inside a handler or another command), it changes nothing."""
+        return self
+
+    def __enter__(self) -> None:
+        self._busy += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._busy -= 1
+        if not self._busy and self._queue:
+            self._deliver(self._queue.popleft())
+
+    def _deliver(self, event: object) -> None:
+        """``event``, then what its handlers publish, until the queue is empty."""
         queue, subs = self._queue, self._subs
-        self._busy = True
+        self._busy += 1
         try:
-            while queue:
-                event = queue.popleft()
+            while True:
                 for handler in subs.get(type(event), ()):
                     try:
                         handler(event)
@@ -72,5 +75,8 @@ class Bus:
                         self.errors += 1
                         log.exception("bus_subscriber_failed", event_type=type(event).__name__,
                                       handler=getattr(handler, "__qualname__", repr(handler)))
+                if not queue:
+                    break
+                event = queue.popleft()
         finally:
-            self._busy = False
+            self._busy -= 1

@@ -7,7 +7,7 @@ Two halves of one rule:
   blocks never (the statement engines' orders are checked against).
 * :class:`HostEvictionOrder` is the same order kept incrementally inside an engine (the fake
   engine, the SGLang patch). The engine cannot see ``R``; it learns which blocks have a
-  positive count from the control plane's hints (:class:`~evinfra.directory.branches.HintDelta`:
+  positive count from the control plane's hints (:class:`~evinfra.core.contracts.HintDelta`:
   only blocks whose count crossed zero), and keeps one LRU list per group, so touching,
   inserting, re-grouping and picking a victim are all O(1).
 """

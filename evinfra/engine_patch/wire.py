@@ -4,7 +4,7 @@ Six things cross it, each validated at the edge that receives it:
 
 * **Count hints** (``POST /evinfra/hints``, the path the engine advertises in ``/server_info``
   as ``evinfra_count_hints``): ``{"positive": [...], "zero": [...]}``, the block hashes whose
-  branch count on this node crossed zero (:class:`~evinfra.directory.branches.HintDelta`, same
+  branch count on this node crossed zero (:class:`~evinfra.core.contracts.HintDelta`, same
   field names). A block never named positive counts as zero. With ``"replace": true`` the
   positive list is every positive block: the engine drops its other marks (a resync).
 * **KV resyncs** (``POST /evinfra/kv_resync``, advertised as ``PatchInfo.kv_resync``, no

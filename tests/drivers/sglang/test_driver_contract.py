@@ -22,13 +22,11 @@ from aiohttp import web
 from evinfra.config import parse_config
 from evinfra.core import events as events_module
 from evinfra.core.bus import Bus
-from evinfra.core.clock import VirtualClock, WallClock
+from evinfra.core.clock import VirtualClock
 from evinfra.core.contracts import Sampling
 from evinfra.core.events import PrefillStarted, RequestDone, TokensOut, Withdrawn
-from evinfra.drivers.sglang.driver import SGLangDriver
-from evinfra.drivers.sglang.pairs import PairBook
 from evinfra.control import Service, Submission
-from test_sglang_driver_shell import FAST, FakeEngine, until
+from test_sglang_driver_shell import FakeEngine, service_over, until
 
 EVENT_TYPES = [t for t in vars(events_module).values()
                if isinstance(t, type) and issubclass(t, msgspec.Struct)
@@ -125,30 +123,18 @@ async def test_sglang_engines_answer_after_the_command():
         return web.Response()
 
     engines["p"].generate = slow
-    for e in engines.values():
-        await e.start()
-    config = parse_config({"cluster": {
-        "driver": "sglang", "page_size": 4, "initial_prefill": 1,
-        "nodes": [{"name": n, "url": e.url} for n, e in engines.items()]}})
-    bus, pairs = Bus(), PairBook()
-    drivers = {n: SGLangDriver(n, e.url, WallClock(), bus, pairs, 4, FAST)
-               for n, e in engines.items()}
-    probe = Probe(bus, drivers)
-    service = Service(config, WallClock(), bus, drivers)
-    await service.start()
-    try:
-        await until(lambda: service.router.routable("p") and service.router.routable("d"))
-        sink = Sink()
-        service.submit(request("r0", n=16), sink)
-        await asyncio.sleep(0.1)
-        # Withdrawn at once, inside the driver's withdraw, delivered after it.
-        assert service.cordon("p") == ["r0"]
-        await until(lambda: sink.record is not None)
-        assert probe.early() == []
-        assert [ev.request for ev in probe.of(Withdrawn)] == ["r0"]  # control
-        assert sink.record.status == "NoNodeError"  # the only prefill node is cordoned
-    finally:
-        hold.set()
-        await service.stop()
-        for e in engines.values():
-            await e.stop()
+    async with service_over(engines) as service:
+        probe = Probe(service.bus, service.drivers)
+        try:
+            await until(lambda: service.router.routable("p") and service.router.routable("d"))
+            sink = Sink()
+            service.submit(request("r0", n=16), sink)
+            await asyncio.sleep(0.1)
+            # Withdrawn at once, inside the driver's withdraw, delivered after it.
+            assert service.cordon("p") == ["r0"]
+            await until(lambda: sink.record is not None)
+            assert probe.early() == []
+            assert [ev.request for ev in probe.of(Withdrawn)] == ["r0"]  # control
+            assert sink.record.status == "NoNodeError"  # the only prefill node is cordoned
+        finally:
+            hold.set()

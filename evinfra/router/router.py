@@ -516,7 +516,8 @@ class Router:
 
         Greedy: the peer whose own prefix reaches furthest serves the run up to there (its
         prefix is contiguous, so no per-block check); a block past every peer's prefix (a
-        hole in the holders' chains) is served block by block from whoever holds it."""
+        hole in the holders' chains) is served block by block from whoever holds it, and
+        one only ``n`` holds (past a hole in its own chain) is not fetched."""
         if not p.x:
             return []
         page = self.directory.page_size
@@ -533,7 +534,10 @@ class Router:
             if reach[far] > pos:
                 best, stop = far, min(reach[far], end)
             else:
-                best = next(i for i in directory.holders(hashes[pos]) if i != n.idx)
+                best = next((i for i in directory.holders(hashes[pos]) if i != n.idx), -1)
+                if best < 0:
+                    pos += 1
+                    continue
                 stop = pos + 1
                 while stop < end and directory.holds(hashes[stop], best):
                     stop += 1

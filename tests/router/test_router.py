@@ -66,6 +66,22 @@ def test_fetch_plan_takes_the_furthest_peer_then_fills_holes_from_any_holder() -
                                                                   ("P1", 25, path[25:30])]
 
 
+def test_fetch_plan_skips_blocks_past_a_hole_the_chosen_node_holds_itself() -> None:
+    """P1 holds blocks 0-9 and 11-29 (a hole at 10), P2 blocks 0-10: P2's queue sends the
+    request to P1, which fetches block 10 from P2 and nothing it holds itself (the plan
+    once asked a peer for block 11 on, which only P1 holds, and the route raised
+    StopIteration after it had queued the request)."""
+    r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
+    tokens = rng.integers(0, 50_000, size=30 * PAGE + 100, dtype=np.uint32)
+    path = r.directory.branches.hasher.hash(tokens).hashes
+    r.directory.apply("P1", BlockStored(path[:10] + path[11:30], None, [], PAGE, medium="GPU"))
+    r.directory.apply("P2", BlockStored(path[:11], None, [], PAGE, medium="GPU"))
+    load(r, "P2", 200)
+    route = r.route(req("q1", tokens), now=0.0)
+    assert route.node == "P1" and route.prediction.t_c == 30 * PAGE
+    assert [(f.peer, f.start, f.blocks) for f in route.fetch] == [("P2", 10, path[10:11])]
+
+
 def test_idle_prefix_holder_keeps_the_request() -> None:
     r = make()
     hold(r, "P1", FAMILY)

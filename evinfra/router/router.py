@@ -653,9 +653,10 @@ class Router:
         return r.branch
 
     def failed(self, request: RequestId, node: NodeId, started: bool, now: float
-               ) -> Route | Refusal | None:
-        """A request failed on ``node``. Before its prefill started it is routed again (to
-        a node other than a failed one); afterwards the caller fails it (None)."""
+               ) -> Route | Refusal | Held | None:
+        """A request failed on ``node``. Before its prefill started it is routed again, on
+        the nodes routable now (``node`` among them if it still is: a node that is down has
+        left them); afterwards the caller fails it (None)."""
         r = self._reqs.get(request)
         if r is None:
             return None
@@ -719,7 +720,8 @@ class Router:
         n.draining, n.told = phase, False
         return self._unstarted(n)
 
-    def withdrawn(self, request: RequestId, node: NodeId, now: float) -> Route | Refusal | None:
+    def withdrawn(self, request: RequestId, node: NodeId, now: float
+                  ) -> Route | Refusal | Held | None:
         """A queued request came back from a draining node: route it again, re-predicting
         TTFT on the remaining nodes (the branch's path is not stepped again)."""
         r = self._reqs.get(request)

@@ -295,10 +295,12 @@ class Lifecycle:
         f = self.ledger.get(ev.request)
         if f is None or ev.node not in (f.prefill, f.decode):
             return
+        # The nodes holding its orders, before the router lets a decode node bound at submit
+        # go: each of them is aborted or handed over below.
+        nodes, bound = f.nodes(), f.decode
         # A request the engine refused itself would be refused anywhere: not routed again.
         if (not ev.rejected and ev.node == f.prefill and not ev.started
                 and f.prefill_start is None):
-            bound = f.decode
             again = self.router.failed(ev.request, ev.node, False, self.clock.now())
             if isinstance(again, (Route, Held)):
                 self.counters.rerouted += 1
@@ -307,7 +309,7 @@ class Lifecycle:
                 self._reroute(f, again, "rerouted", bound)
                 self.engines.flush_hints()
                 return
-        self.engines.abort(ev.request, f.nodes() - {ev.node})
+        self.engines.abort(ev.request, nodes - {ev.node})
         self.fail(f, RequestError(f"the engine refused the request: {ev.error}")
                   if ev.rejected else EngineError(ev.node, ev.error))
 

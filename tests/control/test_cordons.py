@@ -128,3 +128,26 @@ def test_cordoning_the_last_prefill_node_loses_no_queued_request():
     sim.run_for(5.0)
     assert sim.counters()["failed"] == 0
     assert all(s.ok for s in sinks)
+
+
+def test_a_decode_order_bound_at_submit_is_aborted_when_its_prefill_cannot_go_anywhere():
+    """SGLang PD binds the decode node when it routes (``static-sglang``). The prefill node
+    dies before the prefill starts and the only other prefill node is cordoned: the request
+    fails, and the decode node's order is aborted too (the router let that node go before
+    the lifecycle learnt the request could not be routed again)."""
+    sim = VSim(policy={"name": "static-sglang"})
+    svc = sim.service
+    aborted = []
+    for node in ("n2", "n3"):
+        driver = svc.drivers[node]
+        abort = driver.abort
+        driver.abort = lambda rid, node=node, abort=abort: (aborted.append((node, rid)),
+                                                            abort(rid))
+    svc.cordon("n1")
+    sim.submit("big", prompt(60_000, seed=1), max_tokens=4)  # n0 prefills it for a while
+    s = sim.submit("r0", prompt(640), max_tokens=4)  # queued behind it, not started
+    decode = svc.ledger.get("r0").decode
+    assert decode in ("n2", "n3")  # bound at submit
+    sim.engines["n0"].crash("gone")
+    assert s.finished and s.record.status == "EngineError"  # node n0 down, nowhere else
+    assert (decode, "r0") in aborted

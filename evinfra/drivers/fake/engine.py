@@ -141,18 +141,20 @@ class FakeEngine(PrefillSide, DecodeSide):
     # -- fault injection --------------------------------------------------------------------
 
     def crash(self, reason: str = "crashed") -> None:
-        """The engine dies: in-flight requests fail, its KV is gone, ``NodeDown`` follows,
-        later orders fail at once."""
+        """The engine dies: ``NodeDown``, then its in-flight requests fail, its KV is gone,
+        later orders fail at once. ``NodeDown`` goes first, as a driver sees a dead engine:
+        a request failed before its prefill started is routed again, and the node must be
+        out of routing by then (else it goes back to the dead node, and fails again)."""
         if self.down:
             return
         now = self.clock.now()
         self.down, self.stalled = True, False
         self._deferred.clear()
         self._kv_events.clear()
+        self._out.append(NodeDown(self.node, now, reason))
         self._fail_all(now, f"node {self.node} down: {reason}")
         if self._beat is not None:
             self._beat.cancel()
-        self._out.append(NodeDown(self.node, now, reason))
         self.cache.clear()
         self._flush()
         self.cluster.node_down(self.node)

@@ -2,14 +2,21 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-$(VENV)/.installed: pyproject.toml
+# The native core (evinfra/native) is compiled by this install: its sources are prerequisites.
+NATIVE_SRC := CMakeLists.txt $(wildcard evinfra/native/src/*)
+
+$(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,sglang]'
 	touch $@
 
-.PHONY: install run sglang-env test
+.PHONY: install native run sglang-env test
 install: $(VENV)/.installed
+
+# Rebuild only the native core after editing it (incremental; one build at a time).
+native: install
+	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 # Real SGLang 0.5.23 for CPU in its own venv, for tests/integration/test_sglang_*.py (idempotent:
 # about a second when up to date; 1-2 minutes and 1.9 GB the first time).

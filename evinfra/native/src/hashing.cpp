@@ -1,0 +1,7 @@
+#include "common.h"
+
+namespace evinfra {
+
+void bind_hashing(nb::module_&) {}
+
+}  // namespace evinfra

@@ -8,14 +8,14 @@ NATIVE_SRC := CMakeLists.txt $(wildcard evinfra/native/src/*)
 $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,sglang]'
+	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q -e '.[dev,sglang]'
 	touch $@
 
 .PHONY: install native run sglang-env test
 install: $(VENV)/.installed
 
 # Rebuild only the native core after editing it (incremental; one build at a time).
-native: install
+native: | $(VENV)/.installed
 	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 # Real SGLang 0.5.23 for CPU in its own venv, for tests/integration/test_sglang_*.py (idempotent:

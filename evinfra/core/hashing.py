@@ -19,16 +19,15 @@ holds by binary search.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from typing import Container, Sequence
 
 import numpy as np
 
 from evinfra.core.types import BlockHash
+from evinfra.native import _native
 
-__all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "chain_digests",
-           "digests_to_hashes", "held_prefix"]
+__all__ = ["HashedPath", "PathHasher", "as_tokens", "block_hashes", "chain_pages", "held_prefix"]
 
 _U32_LE = np.dtype("<u4")
 _HASH_WORDS = np.dtype(">i8")  # a digest read as big-endian int64 words; the first is the hash
@@ -45,32 +44,25 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def digests_to_hashes(digests: bytes) -> list[BlockHash]:
-    """The event hashes of concatenated page digests: each digest's first 8 bytes,
-    big-endian, signed. One numpy pass, a fifth of the cost of ``int.from_bytes`` per page."""
-    return np.frombuffer(digests, _HASH_WORDS)[::_DIGEST // 8].tolist()
+def chain_pages(tokens: np.ndarray, page_size: int, prior: bytes | None = None
+                ) -> tuple[bytes, list[BlockHash]]:
+    """The digests (32 bytes per page, concatenated) and event hashes of the full pages of
+    ``tokens`` (from :func:`as_tokens`), chained after ``prior`` (None: the first page of a
+    sequence). One native loop over the pages, SHA-256 from OpenSSL's libcrypto (as
+    ``hashlib``'s)."""
+    return _native.chain_pages(tokens, page_size, prior)
 
 
-def chain_digests(buf: bytes, page_bytes: int, pages: int, prior: bytes | None) -> list[bytes]:
-    """The digests of the first ``pages`` pages of ``buf`` (uint32 tokens), chained after
-    ``prior`` (None: the first page of a sequence): ``digest_i = SHA-256(digest_{i-1} ||
-    page_i)``."""
-    digests = []
-    sha = hashlib.sha256
-    for at in range(0, pages * page_bytes, page_bytes):
-        page = buf[at:at + page_bytes]
-        prior = sha(prior + page if prior is not None else page).digest()
-        digests.append(prior)
-    return digests
+def _hash_array(digests: bytes) -> np.ndarray:
+    """The event hashes of concatenated digests as a native int64 array."""
+    return np.frombuffer(digests, _HASH_WORDS)[:: _DIGEST // 8].astype(np.int64)
 
 
 def block_hashes(
     tokens: Sequence[int] | np.ndarray, page_size: int, prior_digest: bytes | None = None
 ) -> list[BlockHash]:
     """Event hashes of the full pages of ``tokens``, chained after ``prior_digest``."""
-    arr = as_tokens(tokens)
-    n = arr.size // page_size
-    return digests_to_hashes(b"".join(chain_digests(arr.tobytes(), page_size * 4, n, prior_digest)))
+    return chain_pages(as_tokens(tokens), page_size, prior_digest)[1]
 
 
 def held_prefix(path: Sequence[BlockHash], held: Container[BlockHash],
@@ -98,27 +90,21 @@ class HashedPath:
     Immutable once built; a branch keeps the last one to hash its next request incrementally.
     The digests are one ``bytes`` (32 per page): the next path copies the shared ones as
     one memcpy, where a list would cost a reference count write per page.
-
-    ``memo`` is a lookup memo a reader may attach (the directory keeps where each block sat in
-    its tables at the last lookup, checked before use): a path hashed against this one
-    inherits the part of it that covers their shared pages, so the next lookup of the branch
-    redoes only its new pages.
     """
 
-    __slots__ = ("tokens", "digests", "hashes", "page_size", "shared", "memo")
+    __slots__ = ("array", "digests", "hashes", "page_size", "shared", "tokens")
 
-    def __init__(
-        self, tokens: np.ndarray, digests: bytes, hashes: list[BlockHash], page_size: int,
-        shared: int = 0, memo: tuple[np.ndarray, ...] | None = None,
-    ) -> None:
+    def __init__(self, tokens: np.ndarray, digests: bytes, hashes: list[BlockHash],
+                 page_size: int, shared: int = 0, array: np.ndarray | None = None) -> None:
         self.tokens = tokens
         self.digests = digests
         self.hashes = hashes
         self.page_size = page_size
         # Leading pages taken over from the base path this one was hashed against.
         self.shared = shared
-        # Arrays with one entry per leading page of the path (at most len(hashes)).
-        self.memo = memo
+        # The hashes as int64, which the native core reads without converting each one (a
+        # branch's path is matched against the directory at every request).
+        self.array = _hash_array(digests) if array is None else array
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -138,8 +124,7 @@ class PathHasher:
     A new branch whose parent shares no page with it (a new agent, a sub-agent's fresh
     context) is hashed against the last path hashed with the same first page, if any: agents
     of one harness start with the same system prompt and tools (8-20 K tokens for a coding
-    agent), so a new agent pays SHA-256 only past them, and its first lookup inherits their
-    slots. The paths of the last ``recent`` distinct first pages are remembered.
+    agent), so a new agent pays SHA-256 only past them. The paths of the last ``recent`` distinct first pages are remembered.
     """
 
     def __init__(self, page_size: int, recent: int = 16) -> None:
@@ -176,7 +161,7 @@ class PathHasher:
         n = arr.size // self.page_size
         keep = self.common_pages(arr, base) if base is not None else 0
         if base is not None and keep == n and keep == len(base):
-            return HashedPath(arr, base.digests, base.hashes, self.page_size, keep, base.memo)
+            return HashedPath(arr, base.digests, base.hashes, self.page_size, keep, base.array)
         first = arr[: self.page_size].tobytes() if n else b""
         if guess and not keep and n:
             base = self._by_first.get(first)
@@ -193,20 +178,16 @@ class PathHasher:
                 ) -> HashedPath:
         """The path of ``arr`` (``n`` full pages) whose first ``keep`` pages are ``base``'s
         (None: ``keep`` is 0)."""
-        memo = None
-        if base is not None and base.memo is not None:
-            memo = tuple([m[:keep] for m in base.memo])
         prior = base.digest(keep - 1) if base is not None else None
-        # Only the new pages are converted to bytes and hashed.
-        tail = arr[keep * self.page_size : n * self.page_size].tobytes()
-        new = b"".join(chain_digests(tail, self.page_size * 4, n - keep, prior))
-        new_hashes = digests_to_hashes(new)
+        new, new_hashes = chain_pages(arr[keep * self.page_size : n * self.page_size],
+                                      self.page_size, prior)
         if base is not None:
             # The shared part is copied once: a memoryview slice copies nothing, and one
             # list slice writes each page's reference count once.
             digests = b"".join((memoryview(base.digests)[: keep * _DIGEST], new))
             hashes = base.hashes[:keep]
             hashes += new_hashes
+            array = np.concatenate((base.array[:keep], _hash_array(new)))
         else:
-            digests, hashes = new, new_hashes
-        return HashedPath(arr, digests, hashes, self.page_size, keep, memo)
+            digests, hashes, array = new, new_hashes, _hash_array(new)
+        return HashedPath(arr, digests, hashes, self.page_size, keep, array)

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from evinfra.core.contracts import HintDelta
-from evinfra.core.events import BlockStored, KVEvent, KVEventBatch
+from evinfra.core.events import KVEvent, KVEventBatch
 from evinfra.core.hashing import HashedPath
 from evinfra.core.types import BlockHash, BranchId, NodeId, Phase, Tier
 from evinfra.directory.branches import BranchStep, BranchTable
@@ -80,26 +80,16 @@ class Directory:
     # -- KV events -------------------------------------------------------------------------
 
     def apply(self, node: NodeId, event: KVEvent) -> None:
-        lost = self.tree.apply(node, event)
-        if lost:
-            self.branches.evicted(self.tree.node_index(node), lost)
+        self._evicted(node, self.tree.apply(node, event))
 
     def apply_batch(self, node: NodeId, batch: KVEventBatch) -> None:
-        """Apply a node's events in order; a GPU store and its write-through to host memory
-        (the same blocks after the same parent, next in the batch) in one pass."""
-        events = batch.events
-        idx = self.tree.node_index(node)
-        i = 0
-        while i < len(events):
-            event = events[i]
-            if (idx is not None and i + 1 < len(events)
-                    and _write_through(event, events[i + 1])):
-                self.tree.store(idx, event.block_hashes, event.parent_block_hash, event.medium,
-                                block_size=event.block_size, through=True)
-                i += 2
-            else:
-                self.apply(node, event)
-                i += 1
+        """Apply a node's events in order, in one native call; then zero the counts of the
+        blocks it lost (E.2 line 20: counts are read by nothing in between)."""
+        self._evicted(node, self.tree.apply_batch(node, batch.events))
+
+    def _evicted(self, node: NodeId, lost: list[BlockHash]) -> None:
+        if lost:
+            self.branches.evicted(self.tree.node_index(node), lost)
 
     # -- requests and branches (Algorithms E.1, E.2) ---------------------------------------
 
@@ -179,13 +169,3 @@ class Directory:
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
-
-
-def _write_through(event: KVEvent, after: KVEvent) -> bool:
-    """``after`` stores in host memory exactly the blocks ``event`` stores in GPU memory."""
-    return (type(event) is BlockStored and type(after) is BlockStored
-            and after.block_hashes == event.block_hashes
-            and after.parent_block_hash == event.parent_block_hash
-            and after.block_size == event.block_size
-            and Tier.from_medium(event.medium) is Tier.L1
-            and Tier.from_medium(after.medium) is Tier.L2)

@@ -28,21 +28,36 @@ def test_definition_sha256_chain_first_eight_bytes_big_endian_signed() -> None:
     assert block_hashes(P1 + P2, 4) == [int.from_bytes(d[:8], "big", signed=True) for d in (d1, d2)]
 
 
-_sha256 = hashlib.sha256
+def test_native_chain_is_hashlibs_chain_after_any_prior() -> None:
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 2**32, size=16 * 9 + 5, dtype=np.uint32)
+    for prior in (None, hashlib.sha256(b"x").digest()):
+        digests, hashes = hashing.chain_pages(tokens, 16, prior)
+        want, d = [], prior
+        for i in range(9):
+            d = hashlib.sha256((d or b"") + tokens[16 * i:16 * i + 16].tobytes()).digest()
+            want.append(d)
+        assert digests == b"".join(want)
+        assert hashes == [int.from_bytes(d[:8], "big", signed=True) for d in want]
+    # Control: the prior is part of every page's digest.
+    assert hashing.chain_pages(tokens, 16, b"\0" * 32)[1][-1] != hashes[-1]
+    with pytest.raises(ValueError):
+        hashing.chain_pages(tokens, 16, b"short")
+    with pytest.raises(ValueError):
+        hashing.chain_pages(tokens, 0, None)
 
 
 class _CountingSha:
+    """Counts the pages the native loop hashes (one SHA-256 call each)."""
+
     calls = 0
 
-    def __init__(self, *args):
-        type(self).calls += 1
-        self._h = _sha256(*args)
+    def __init__(self, native):
+        self._native = native
 
-    def update(self, data):
-        self._h.update(data)
-
-    def digest(self):
-        return self._h.digest()
+    def chain_pages(self, tokens, page_size, prior):
+        type(self).calls += tokens.size // page_size
+        return self._native.chain_pages(tokens, page_size, prior)
 
 
 def test_next_request_of_a_branch_hashes_only_its_new_pages(monkeypatch) -> None:
@@ -50,7 +65,8 @@ def test_next_request_of_a_branch_hashes_only_its_new_pages(monkeypatch) -> None
     rng = np.random.default_rng(0)
     ctx = rng.integers(0, 50_000, size=4 * 1000, dtype=np.uint32)
     base = h.hash(ctx)
-    monkeypatch.setattr(hashing.hashlib, "sha256", _CountingSha)
+    monkeypatch.setattr(hashing, "_native", _CountingSha(hashing._native))
+    _CountingSha.calls = 0
     nxt = np.concatenate([ctx, rng.integers(0, 50_000, size=4 * 3 + 2, dtype=np.uint32)])
     path = h.hash(nxt, base)
     assert _CountingSha.calls == 3
@@ -90,7 +106,7 @@ def test_a_new_branch_hashes_only_past_a_prompt_seen_before(monkeypatch) -> None
     prompt = rng.integers(0, 50_000, size=4 * 100, dtype=np.uint32)
     parent = h.hash(rng.integers(0, 50_000, size=4 * 100, dtype=np.uint32))
     first = h.start(np.concatenate([prompt, rng.integers(0, 50_000, size=40, dtype=np.uint32)]))
-    monkeypatch.setattr(hashing.hashlib, "sha256", _CountingSha)
+    monkeypatch.setattr(hashing, "_native", _CountingSha(hashing._native))
     _CountingSha.calls = 0
     task = np.concatenate([prompt, rng.integers(0, 50_000, size=4 * 7, dtype=np.uint32)])
     path = h.start(task, parent)  # a parent that shares no page: the prompt serves

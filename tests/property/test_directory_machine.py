@@ -459,13 +459,55 @@ def test_the_machine_catches_a_batch_that_loses_the_host_copy() -> None:
                                                    report_multiple_bugs=False))
 
 
+class _NativeTreeDroppingRemovals:
+    """The native tree behind a wrapper that drops one event kind, BlockRemoved, from every
+    batch it is given (every KV event reaches the tree in a batch)."""
+
+    def __init__(self, tree) -> None:
+        self._tree = tree
+
+    def apply_batch(self, node, events):
+        return self._tree.apply_batch(node, [e for e in events if type(e) is not BlockRemoved])
+
+    def __getattr__(self, name):
+        return getattr(self._tree, name)
+
+    def __len__(self) -> int:
+        return len(self._tree)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._tree
+
+
+class _DropsRemovals(Directory):
+    def __init__(self, nodes, page_size):
+        super().__init__(nodes, page_size)
+        self.tree._tree = _NativeTreeDroppingRemovals(self.tree._tree)
+
+
+class _NativeMutantMachine(DirectoryMachine):
+    directory_cls = _DropsRemovals
+
+
+def test_the_machine_catches_a_native_tree_that_drops_removals() -> None:
+    import pytest
+
+    from hypothesis import Phase as HPhase
+
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            _NativeMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
+                                                    phases=[HPhase.generate], print_blob=False,
+                                                    report_multiple_bugs=False))
+
+
 class _WideDirectory(Directory):
-    """With 70 nodes the holder bits span four words (21 nodes each), so ``match`` folds
-    several; the 66 extra nodes come first (so the machine's nodes sit in the last word) and
-    stay idle."""
+    """With 130 nodes a block's holder bits span three words (64 nodes each), so ``match``
+    walks several; the 126 extra nodes come first (so the machine's nodes sit in the last
+    word) and stay idle."""
 
     def __init__(self, nodes, page_size):
-        super().__init__({**{f"idle{i}": Phase.DECODE for i in range(66)}, **nodes}, page_size)
+        super().__init__({**{f"idle{i}": Phase.DECODE for i in range(126)}, **nodes}, page_size)
 
 
 class _WideMachine(DirectoryMachine):

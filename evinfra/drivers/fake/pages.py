@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from evinfra.core.hashing import as_tokens, chain_digests, digests_to_hashes
+from evinfra.core.hashing import as_tokens, chain_pages
 from evinfra.core.types import BlockHash
 
 __all__ = ["OutputPages"]
@@ -24,6 +24,10 @@ __all__ = ["OutputPages"]
 _MEMO_ENTRIES = 1 << 16
 """Two entries per finished request: a few thousand requests in flight or waiting for their
 branch's next turn fit many times over, in about 10 MB."""
+
+
+def _digest(digests: bytes, page: int) -> bytes:
+    return digests[32 * page:32 * page + 32]
 
 
 class OutputPages:
@@ -47,13 +51,12 @@ class OutputPages:
                 start, prior = i + 1, d
                 memo.move_to_end(path[i])
                 break
-        buf = as_tokens(tokens[start * page:total * page]).tobytes()
-        digests = chain_digests(buf, page * 4, total - start, prior)
+        digests, hashes = chain_pages(as_tokens(tokens[start * page:total * page]), page, prior)
         if k_in:
-            self._remember(path[k_in - 1], digests[k_in - 1 - start] if k_in > start else prior)
-        out = digests_to_hashes(b"".join(digests[k_in - start:]))
-        self._remember(out[-1], digests[-1])
-        return out
+            self._remember(path[k_in - 1], _digest(digests, k_in - 1 - start)
+                           if k_in > start else prior)
+        self._remember(hashes[-1], _digest(digests, total - 1 - start))
+        return hashes[k_in - start:]
 
     def _remember(self, block: BlockHash, digest: bytes | None) -> None:
         if digest is None:

@@ -1,8 +1,8 @@
 """Agent branches and their block counts: Algorithms E.1 and E.2 of the paper.
 
 For each branch ``β`` the table keeps its version ``v_β``, the path ``π_β`` of its last
-request, and on each node ``n`` the blocks it counts there, ``C[β, n]``. For each node and
-block, ``R[b, n]`` is the number of active branches whose ``C[β, n]`` contains ``b``.
+request, and on each node the blocks it counts there, ``C[β, n]``. For each node and block,
+``R[b, n]`` is the number of active branches whose ``C[β, n]`` contains ``b``.
 
 Representation (why it is cheap): within one version a branch's paths only grow, and a
 rewrite trims every ``C[β, m]`` to the prefix it shares with the new path (E.2 line 7). So
@@ -13,15 +13,16 @@ a release O(k), and nothing ever walks the whole context to diff two sets.
 Eviction hints: every time ``R[b, n]`` crosses zero the table notes the block for node
 ``n``'s next hint, and a block that crosses back before then drops its note (the node's view
 of it is right again), so a driver pushes just the blocks whose count became positive or zero
-since the last hint. The notes are a small dict per node, emptied by each hint. Usually one
-crossing waits between two hints (a route's counting of a whole context on a node new to it,
-or its release): that one is kept as the list it came as, and a hint hands it on as it is.
+since the last hint, in the order they were noted (the engines evict in that order).
+
+The counts, the paths' hashes and the notes live in the native core
+(``evinfra/native/src/branches.cpp``), one call per operation; this shell hashes the
+requests, keeps each branch's :class:`HashedPath` and maps branch ids to native handles.
 """
 
 from __future__ import annotations
 
-from collections import _count_elements  # type: ignore[attr-defined]  # Counter's C loop
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import msgspec
 import numpy as np
@@ -30,8 +31,13 @@ from evinfra.core.contracts import HintDelta
 from evinfra.core.hashing import HashedPath, PathHasher
 from evinfra.core.types import BlockHash, BranchId, Phase
 from evinfra.errors import UnknownBranchError
+from evinfra.native import _native
 
 __all__ = ["BranchStep", "BranchTable", "HintDelta"]
+
+# The native table compares phases only for equality (E.2 line 11): it stores their index here.
+_PHASES = tuple(Phase)
+_CODES = {p: i for i, p in enumerate(_PHASES)}
 
 
 class BranchStep(msgspec.Struct, frozen=True):
@@ -46,44 +52,11 @@ class BranchStep(msgspec.Struct, frozen=True):
 
 
 class _Branch:
-    __slots__ = ("id", "version", "path", "k", "holes", "_index", "_indexed")
+    __slots__ = ("handle", "path")
 
-    def __init__(self, branch: BranchId) -> None:
-        self.id = branch
-        self.version = 1
-        self.path: HashedPath | None = None
-        # C[β, n] = path.hashes[:k[n]] minus holes[n] (block -> its index in the path).
-        self.k: dict[int, int] = {}
-        self.holes: dict[int, dict[BlockHash, int]] = {}
-        # block -> its first index, for the leading ``_indexed`` blocks of the path.
-        self._index: dict[BlockHash, int] = {}
-        self._indexed = 0
-
-    @property
-    def hashes(self) -> list[BlockHash]:
-        return self.path.hashes if self.path is not None else []
-
-    def position(self, h: BlockHash) -> int | None:
-        """Index of the first ``h`` in the path. Evictions ask; the index grows with the
-        path (a request appends a few pages), so no one scans a path per evicted block."""
-        hashes, n = self.hashes, self._indexed
-        if n < len(hashes):
-            index = self._index
-            for i in range(n, len(hashes)):
-                if hashes[i] not in index:
-                    index[hashes[i]] = i
-            self._indexed = len(hashes)
-        return self._index.get(h)
-
-    def cut(self, keep: int) -> None:
-        """The path is rewritten after its first ``keep`` blocks: drop the rest from the
-        index (called while ``path`` is still the old one)."""
-        if self._indexed > keep:
-            index = self._index
-            for h in self.hashes[keep:self._indexed]:
-                if index.get(h, -1) >= keep:
-                    del index[h]
-            self._indexed = keep
+    def __init__(self, handle: int, path: HashedPath) -> None:
+        self.handle = handle
+        self.path = path
 
 
 class BranchTable:
@@ -91,32 +64,19 @@ class BranchTable:
 
     def __init__(self, page_size: int, phases: Sequence[Phase] = ()) -> None:
         self.hasher = PathHasher(page_size)
+        self._table = _native.BranchTable()
         self._branches: dict[BranchId, _Branch] = {}
-        self._R: list[dict[BlockHash, int]] = []
-        self._on: list[set[BranchId]] = []
-        self._phase: list[Phase] = []
-        # Per node, the blocks whose count is on the other side of zero than the last hint
-        # said: True, positive now. Between two hints there is usually one crossing (a path
-        # counted on a node, or released there): it waits as it came, in ``_slice``, and
-        # joins the dict only when a second one comes.
-        self._notes: list[dict[BlockHash, bool]] = []
-        self._slice: list[tuple[list[BlockHash], bool] | None] = []
-        self._hinted: set[int] = set()  # nodes with notes
+        self._ids: dict[int, BranchId] = {}  # native handle -> branch
         for p in phases:
             self.add_node(p)
 
     # -- nodes ---------------------------------------------------------------------------
 
     def add_node(self, phase: Phase) -> int:
-        self._R.append({})
-        self._on.append(set())
-        self._phase.append(phase)
-        self._notes.append({})
-        self._slice.append(None)
-        return len(self._R) - 1
+        return self._table.add_node(_CODES[phase])
 
     def phase(self, node: int) -> Phase:
-        return self._phase[node]
+        return _PHASES[self._table.phase(node)]
 
     # -- queries -------------------------------------------------------------------------
 
@@ -130,31 +90,34 @@ class BranchTable:
         return list(self._branches)
 
     def version(self, branch: BranchId) -> int:
-        return self._get(branch).version
+        return self._table.version(self._get(branch).handle)
 
-    def path(self, branch: BranchId) -> HashedPath | None:
+    def path(self, branch: BranchId) -> HashedPath:
         return self._get(branch).path
 
     def nodes_of(self, branch: BranchId) -> list[int]:
-        """``N_β``: the nodes where the branch holds counts."""
-        return sorted(self._get(branch).k)
+        """``N_β``: the nodes where the branch holds counts (ascending)."""
+        return self._table.nodes_of(self._get(branch).handle)
 
     def branches_on(self, node: int) -> set[BranchId]:
-        return self._on[node]
+        ids = self._ids
+        return {ids[h] for h in self._table.branches_on(node)}
 
     def counted(self, branch: BranchId, node: int) -> set[BlockHash]:
         """``C[β, n]`` as a set (tests and status; O(k))."""
-        b = self._get(branch)
-        k = b.k.get(node, 0)
-        return set(b.hashes[:k]) - set(b.holes.get(node, ()))
+        return set(self._table.counted(self._get(branch).handle, node))
 
     def count(self, block: BlockHash, node: int) -> int:
         """``R[b, n]``."""
-        return self._R[node].get(block, 0)
+        return self._table.count(block, node)
 
     def counts(self, node: int) -> dict[BlockHash, int]:
-        """The positive counts of a node (read-only view)."""
-        return self._R[node]
+        """The positive counts of a node, as a new dict (tests and status; O(blocks))."""
+        return self._table.counts(node)
+
+    def waiting(self, node: int) -> int:
+        """How many blocks wait for the node's next hint."""
+        return self._table.waiting(node)
 
     # -- Algorithm E.1 (and E.2 lines 5-8) ----------------------------------------------
 
@@ -171,24 +134,20 @@ class BranchTable:
         """
         b = self._branches.get(branch)
         if b is None:
-            b = self._branches[branch] = _Branch(branch)
-            base_branch = self._branches.get(parent) if parent is not None else None
-            base = base_branch.path if base_branch is not None else None
-            path = self.hasher.start(tokens, base)
-            b.path = path
-            return BranchStep(branch, b.version, False, path, 0)
-        old = b.path
-        path = self.hasher.hash(tokens, old)
-        old_len = len(old) if old is not None else 0
-        rewritten = path.shared < old_len
-        if rewritten:
-            b.version += 1
-            keep = path.shared
-            for n in list(b.k):
-                self._trim(b, n, keep)
-            b.cut(keep)
+            base = self._branches.get(parent) if parent is not None else None
+            path = self.hasher.start(tokens, base.path if base is not None else None)
+            handle = self._table.add_branch(path.hashes)
+            self._branches[branch] = _Branch(handle, path)
+            self._ids[handle] = branch
+            return BranchStep(branch, 1, False, path, 0)
+        old_len = len(b.path)
+        # Hashed against the branch's own last path, the new one starts with ``shared`` of its
+        # blocks: the native table reads only the pages past them (O(new pages)).
+        path = self.hasher.hash(tokens, b.path)
+        keep = path.shared
+        version = self._table.step(b.handle, keep, path.hashes)
         b.path = path
-        return BranchStep(branch, b.version, rewritten, path, old_len)
+        return BranchStep(branch, version, keep < old_len, path, old_len)
 
     # -- Algorithm E.2 --------------------------------------------------------------------
 
@@ -197,126 +156,50 @@ class BranchTable:
 
         ``C[β, n]`` is a prefix of ``π_β`` (minus holes), so ``π_β \\ C`` is the tail past
         ``k`` plus the holes; ``C \\ π_β`` is empty."""
-        b = self._get(branch)
-        hashes = b.hashes
-        if not hashes:
-            return
-        k = b.k.get(node, 0)
-        holes = b.holes.pop(node, None)
-        self._inc_all(node, hashes[k:])
-        if holes:
-            self._inc_all(node, holes)
-        b.k[node] = len(hashes)
-        self._on[node].add(branch)
+        self._table.place(self._get(branch).handle, node)
 
     def settle(self, branch: BranchId, node: int) -> list[int]:
         """E.2 line 11: ``node`` now holds the branch's current version, so the branch's
         counts on other nodes of the same phase are released (a P2P or D2D move). Nodes of
-        the other phase keep theirs (line 12). Returns the released nodes."""
-        b = self._get(branch)
-        if node not in b.k:
-            return []
-        phase = self._phase[node]
-        released = [m for m in b.k if m != node and self._phase[m] is phase]
-        for m in released:
-            self._release(b, m)
-        return released
+        the other phase keep theirs (line 12). Returns the released nodes, in the order the
+        branch was placed on them."""
+        return self._table.settle(self._get(branch).handle, node)
 
     def end(self, branch: BranchId) -> None:
         """E.2 line 13: release every count of the branch and forget it."""
         b = self._branches.pop(branch, None)
         if b is None:
             raise UnknownBranchError(branch)
-        for n in list(b.k):
-            self._release(b, n)
+        del self._ids[b.handle]
+        self._table.end(b.handle)
 
     def switch_phase(self, node: int, phase: Phase) -> None:
         """E.2 lines 14-15: D->P resets the node's counts to free its memory; a switch to
         decode (or out of the collocated warm-up) keeps them to preserve its KV."""
-        old = self._phase[node]
-        self._phase[node] = phase
+        old = self.phase(node)
+        self._table.set_phase(node, _CODES[phase])
         if old is Phase.DECODE and phase is Phase.PREFILL:
             self.release_node(node)
 
     def release_node(self, node: int) -> None:
         """``Release(β, n)`` for every branch on ``node`` (a D->P switch, a lost node)."""
-        for branch in list(self._on[node]):
-            self._release(self._branches[branch], node)
+        self._table.release_node(node)
 
-    def evicted(self, node: int, blocks: Iterable[BlockHash]) -> None:
+    def evicted(self, node: int, blocks: Sequence[BlockHash]) -> None:
         """E.2 line 20: the node lost these blocks; zero their counts and remove them from
-        every ``C[β, n]``. Only positive-count blocks cost anything beyond a dict lookup.
-
-        A batch is mostly runs of blocks of the same branches (a leaf segment goes at once),
-        so the holders of the previous block are asked first and the node's other branches
-        only while the block's count is not accounted for."""
-        R = self._R[node]
-        emptied: list[_Branch] = []
-        recent: list[_Branch] = []
-        zeroed: list[BlockHash] = []
-        for h in blocks:
-            r = R.get(h)
-            if not r:
-                continue
-            holders: list[_Branch] = []
-            for b in recent:
-                if self._hole(b, node, h, emptied):
-                    holders.append(b)
-                    if len(holders) == r:
-                        break
-            if len(holders) < r:
-                asked = {b.id for b in recent}
-                for branch in self._on[node]:
-                    if branch in asked:
-                        continue
-                    b = self._branches[branch]
-                    if self._hole(b, node, h, emptied):
-                        holders.append(b)
-                        if len(holders) == r:
-                            break
-            recent = holders
-            del R[h]
-            zeroed.append(h)
-        if zeroed:
-            self._crossed(node, zeroed, False)
-        for b in emptied:
-            del b.k[node], b.holes[node]
-            self._on[node].discard(b.id)
-
-    @staticmethod
-    def _hole(b: _Branch, node: int, h: BlockHash, emptied: list[_Branch]) -> bool:
-        """Take ``h`` out of ``C[β, n]`` if it is there; note β if that empties it."""
-        k = b.k[node]
-        i = b.position(h)
-        if i is None or i >= k:
-            return False
-        holes = b.holes.setdefault(node, {})
-        if h in holes:
-            return False
-        holes[h] = i
-        if len(holes) == k:  # C[β, n] is empty: n leaves N_β
-            emptied.append(b)
-        return True
+        every ``C[β, n]``. Only positive-count blocks cost anything beyond a hash probe."""
+        self._table.evicted(node, blocks)
 
     # -- hints ------------------------------------------------------------------------------
 
     def take_hints(self, node: int) -> HintDelta:
         """Blocks whose count on ``node`` crossed zero since the last call (and not back)."""
-        self._hinted.discard(node)
-        one = self._slice[node]
-        if one is not None:
-            self._slice[node] = None
-            blocks, up = one
-            return HintDelta(blocks, []) if up else HintDelta([], blocks)
-        notes = self._notes[node]
-        self._notes[node] = {}
-        pos = [h for h, up in notes.items() if up]
-        zero = [h for h, up in notes.items() if not up] if len(pos) < len(notes) else []
-        return HintDelta(pos, zero)
+        positive, zero = self._table.take_hints(node)
+        return HintDelta(positive, zero)
 
     def hinted_nodes(self) -> list[int]:
         """Nodes with hints waiting to be taken (ascending)."""
-        return sorted(self._hinted)
+        return self._table.hinted_nodes()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -325,84 +208,3 @@ class BranchTable:
         if b is None:
             raise UnknownBranchError(branch)
         return b
-
-    def _inc_all(self, node: int, hashes: list[BlockHash] | dict[BlockHash, int]) -> None:
-        """``R[b, n] += 1`` for each block, in one C loop; the blocks that were at zero are
-        noted for the next hint. Usually all were (a path counted on a node new to it, a
-        request's new pages) or none (a fork's pages its parent counts there), which the
-        size of ``R`` tells; otherwise they are the blocks now at one (a path's blocks are
-        distinct)."""
-        R = self._R[node]
-        before = len(R)
-        _count_elements(R, hashes)
-        added = len(R) - before
-        if added == len(hashes):
-            self._crossed(node, hashes, True)
-        elif added:
-            # Counts do not grow along a path (a branch that counts a block counts its
-            # prefix), so the blocks now at one are usually a path's tail: checked in a C
-            # loop. Holes (a dict), or anything else, take the filter.
-            ones = hashes[len(hashes) - added:] if type(hashes) is list else []
-            if list(map(R.__getitem__, ones)).count(1) != added:
-                ones = [h for h in hashes if R[h] == 1]
-            self._crossed(node, ones, True)
-
-    def _dec_all(self, node: int, hashes: Iterable[BlockHash]) -> None:
-        """``R[b, n] -= 1`` for each block (all counted); a count that reaches zero is
-        noted for the next hint."""
-        R = self._R[node]
-        crossed = []
-        for h in hashes:
-            r = R[h]
-            if r == 1:
-                del R[h]
-                crossed.append(h)
-            else:
-                R[h] = r - 1
-        if crossed:
-            self._crossed(node, crossed, False)
-
-    def _crossed(self, node: int, blocks: list[BlockHash] | dict[BlockHash, int],
-                 up: bool) -> None:
-        """Note distinct blocks whose count crossed zero (``up``: became positive). A note
-        already there is the opposite crossing since the last hint: the two cancel. So the
-        notes stay bounded by the blocks the last hint got wrong, whether or not anyone
-        takes the hints (a directory without engines)."""
-        self._hinted.add(node)
-        notes, one = self._notes[node], self._slice[node]
-        if one is not None:
-            self._slice[node] = None
-            notes.update(dict.fromkeys(*one))
-        elif not notes:
-            self._slice[node] = (list(blocks), up)
-            return
-        if notes.keys().isdisjoint(blocks):
-            notes.update(dict.fromkeys(blocks, up))
-        else:
-            pop = notes.pop
-            for h in blocks:
-                if pop(h, None) is None:
-                    notes[h] = up
-
-    def _trim(self, b: _Branch, node: int, keep: int) -> None:
-        """``Count(β, n, C[β, n] ∩ π_new)`` where ``π_new`` shares ``keep`` leading blocks."""
-        k = b.k[node]
-        if k <= keep:
-            return
-        holes = b.holes.get(node)
-        drop = b.hashes[keep:k]
-        self._dec_all(node, [h for h in drop if h not in holes] if holes else drop)
-        if holes:
-            for h in [h for h, i in holes.items() if i >= keep]:
-                del holes[h]
-            if not holes:
-                del b.holes[node]
-        if keep:
-            b.k[node] = keep
-        else:
-            del b.k[node]
-            self._on[node].discard(b.id)
-
-    def _release(self, b: _Branch, node: int) -> None:
-        if node in b.k:
-            self._trim(b, node, 0)

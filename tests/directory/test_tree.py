@@ -248,7 +248,7 @@ def test_hint_notes_stay_bounded_when_nobody_takes_them(d: Directory) -> None:
         d.place("x", "a")
         d.end("x")
         d.step("x", list(range(40)))
-    assert len(path) == 10 and len(d.branches._notes[0]) == len(kept)  # x's cancelled
+    assert len(path) == 10 and d.branches.waiting(0) == len(kept)  # x's cancelled
     assert sorted(d.take_hints("a").positive) == sorted(kept)
 
 

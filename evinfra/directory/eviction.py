@@ -9,20 +9,23 @@ Two halves of one rule:
   engine, the SGLang patch). The engine cannot see ``R``; it learns which blocks have a
   positive count from the control plane's hints (:class:`~evinfra.core.contracts.HintDelta`:
   only blocks whose count crossed zero), and keeps one LRU list per group, so touching,
-  inserting, re-grouping and picking a victim are all O(1).
+  inserting, re-grouping and picking a victim are all O(1). The lists live in the native core
+  (``evinfra/native/src/host_order.cpp``), where the fake engine's cache keeps one too; this
+  class is its Python face (the SGLang engine patch, tests).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
-from itertools import chain, filterfalse, repeat
-from typing import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set
+from itertools import filterfalse
+from typing import Callable, Container, Iterable, Iterator, Mapping
 
 from evinfra.core.contracts import HintDelta
 from evinfra.core.types import BlockHash
+from evinfra.native import _native
 
-__all__ = ["HostEvictionOrder", "eviction_order"]
+__all__ = ["HostEvictionOrder", "PositiveBlocks", "eviction_order"]
 
 
 def eviction_order(host_blocks: Mapping[BlockHash, float], counts: Mapping[BlockHash, int],
@@ -39,116 +42,107 @@ def eviction_order(host_blocks: Mapping[BlockHash, float], counts: Mapping[Block
         yield heapq.heappop(heap)[2]
 
 
+class PositiveBlocks(Set):
+    """The blocks an engine was told have a positive count: a read-only set view of the
+    order's own set (a copy per look would cost O(set) each time the engine patch keys a
+    node)."""
+
+    __slots__ = ("_order",)
+
+    def __init__(self, order: _native.HostOrder) -> None:
+        self._order = order
+
+    def __contains__(self, block: object) -> bool:
+        try:
+            return self._order.is_positive(block)
+        except TypeError:  # not an int64, so no block: a set answers False too
+            return False
+
+    def __len__(self) -> int:
+        return self._order.positive_count()
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return iter(self._order.positive_list())
+
+    @classmethod
+    def _from_iterable(cls, it: Iterable[BlockHash]) -> set[BlockHash]:
+        return set(it)  # the results of ``&``, ``|``, ``-`` are plain sets, not views
+
+    def __repr__(self) -> str:
+        return f"PositiveBlocks({set(self)!r})"
+
+
 class HostEvictionOrder:
-    """An engine's host tier order: zero-count blocks first, LRU within each group.
+    """An engine's host tier order: zero-count blocks first, LRU within each group (paper
+    5.3, Algorithm E.2 lines 16-21: ``EvictHost`` picks in ``(1[R_b > 0], T_b)`` order).
 
     With ``count_aware=False`` every block sits in one LRU list (plain HiCache LRU, for the
     baselines). ``positive`` may name blocks the engine does not hold yet: the control plane
     counts a branch's blocks when it places the request, before the prefill stores them.
     """
 
+    __slots__ = ("_order", "positive")
+
     def __init__(self, count_aware: bool = True) -> None:
-        self.count_aware = count_aware
-        self.positive: set[BlockHash] = set()
-        self._zero: OrderedDict[BlockHash, None] = OrderedDict()
-        self._pos: OrderedDict[BlockHash, None] = OrderedDict()
+        self._bind(_native.HostOrder(count_aware))
+
+    @classmethod
+    def of(cls, order: _native.HostOrder) -> HostEvictionOrder:
+        """The Python face of a native order kept elsewhere (the fake engine's cache)."""
+        self = cls.__new__(cls)
+        self._bind(order)
+        return self
+
+    def _bind(self, order: _native.HostOrder) -> None:
+        self._order = order
+        self.positive = PositiveBlocks(order)
+
+    @property
+    def count_aware(self) -> bool:
+        return self._order.count_aware
 
     def __len__(self) -> int:
-        return len(self._zero) + len(self._pos)
+        return len(self._order)
 
-    def __contains__(self, block: BlockHash) -> bool:
-        return block in self._zero or block in self._pos
-
-    def _group(self, block: BlockHash) -> OrderedDict[BlockHash, None]:
-        if self.count_aware and block in self.positive:
-            return self._pos
-        return self._zero
+    def __contains__(self, block: object) -> bool:
+        try:
+            return block in self._order
+        except TypeError:  # not an int64, so no block
+            return False
 
     def touch_all(self, blocks: Iterable[BlockHash]) -> None:
         """Insert each block, or mark it most recently used, in turn. The positive set
-        says which group a block is in or joins (the zero group holds no positive block),
-        so a block costs two lookups, whether it is new or held."""
-        zero, pos, positive = self._zero, self._pos, self.positive
-        aware = self.count_aware
-        for h in blocks:
-            group = pos if aware and h in positive else zero
-            if h in group:
-                group.move_to_end(h)
-            else:
-                group[h] = None
+        says which group a block is in or joins (the zero group holds no positive block)."""
+        self._order.touch_all(blocks)
 
-    def remove_all(self, blocks: Sequence[BlockHash]) -> None:
-        """Take the blocks out of the order, held or not: a ``pop`` pass over the first
-        block's group, and one over the other unless the first found them all (a segment's
-        blocks usually share a group); each a C loop."""
-        if not blocks:
-            return
-        first, other = self._zero, self._pos
-        if blocks[0] in other:
-            first, other = other, first
-        held = len(first)
-        deque(map(first.pop, blocks, repeat(None)), 0)
-        if held - len(first) < len(blocks):
-            deque(map(other.pop, blocks, repeat(None)), 0)
+    def remove_all(self, blocks: Iterable[BlockHash]) -> None:
+        """Take the blocks out of the order, held or not."""
+        self._order.remove_all(blocks)
 
     def apply_hints(self, delta: HintDelta,
                     arrange: Callable[[list[BlockHash]], list[BlockHash]] | None = None) -> None:
         """Regroup the blocks whose count crossed zero, keeping their LRU position rank.
 
-        A block that changes group joins the other group as its most recent entry: its
-        exact recency relative to that group is unknown to an O(1) structure, and the
-        order between groups, the part the paper's rule is about, is exact. ``arrange``
-        orders each batch of moving blocks (given in hint order) before it joins its group.
-
-        Most hinted blocks are not in host memory (a branch's context counted on a node
-        before its KV arrives, or still in GPU memory there): the positive set takes them
-        in one C loop, and only the blocks that change group are visited one by one.
+        ``delta.positive`` joins the positive set first, then ``delta.zero`` leaves it. A
+        block that changes group joins the other group as its most recent entry: its exact
+        recency relative to that group is unknown to an O(1) structure, and the order between
+        groups, the part the paper's rule is about, is exact. ``arrange`` orders each batch of
+        moving blocks (given in hint order, each once) before it joins its group.
 
         A ``replace`` delta resets the positive set (:meth:`reset_hints`)."""
-        if delta.replace:
-            self.reset_hints(delta.positive)
-            return
-        self.positive.update(delta.positive)
-        if self.count_aware:
-            self._move(delta.positive, self._zero, self._pos, arrange)
-        self.positive.difference_update(delta.zero)
-        self._move(delta.zero, self._pos, self._zero, arrange)
-
-    @staticmethod
-    def _move(blocks: list[BlockHash], src: OrderedDict[BlockHash, None],
-              dst: OrderedDict[BlockHash, None],
-              arrange: Callable[[list[BlockHash]], list[BlockHash]] | None) -> None:
-        """The blocks ``src`` holds join ``dst`` as its newest, in ``arrange``'s order.
-        Usually none does (a hinted block is rarely in host memory yet): a C scan that
-        stops at the first one tells, before a filter that calls ``__contains__`` per block."""
-        if src.keys().isdisjoint(blocks):
-            return
-        moving = list(filter(src.__contains__, blocks))
-        if arrange is not None:
-            moving = arrange(moving)
-        for h in moving:
-            del src[h]
-            dst[h] = None
+        self._order.apply_hints(delta.positive, delta.zero, delta.replace, arrange)
 
     def reset_hints(self, positive: Iterable[BlockHash]) -> None:
         """Replace the positive set wholesale (a resync after a lost connection)."""
-        self.positive = set(positive)
-        blocks = list(self._zero) + list(self._pos)
-        self._zero, self._pos = OrderedDict(), OrderedDict()
-        for h in blocks:
-            self._group(h)[h] = None
+        self._order.reset_hints(positive)
 
     def victims(self, pinned: Callable[[BlockHash], bool] | None = None) -> Iterator[BlockHash]:
-        """Blocks in eviction order, skipping pinned ones. Do not mutate while iterating;
-        collect the victims first, then :meth:`remove_all` them."""
-        order = chain(self._zero, self._pos)
+        """Blocks in eviction order, skipping pinned ones (a snapshot: mutating the order
+        while iterating is safe, but the iteration does not see it)."""
+        order = iter(self._order.victims())
         return order if pinned is None else filterfalse(pinned, order)
 
     def check_invariants(self) -> None:
         """Assert each block sits in the group the positive set says (for tests)."""
-        assert self._zero.keys().isdisjoint(self._pos), "a block in both groups"
-        if self.count_aware:
-            assert self.positive.isdisjoint(self._zero), "a positive block in the zero group"
-            assert self.positive.issuperset(self._pos), "a zero-count block in the positive group"
-        else:
-            assert not self._pos, "plain LRU has one group"
+        bad = self._order.check()
+        assert not bad, bad

@@ -4,8 +4,8 @@ A *segment* is a run of consecutive blocks of one path that share everything the
 tier flags, pins and last access. The tree is SGLang's radix cache in blocks, which is what
 keeps a request cheap: matching a prefix is a binary search on block membership, pinning,
 touching and unpinning walk the segments of a path (a few dozen for a long agent branch), and
-only blocks that actually move (stored, restored, evicted) cost Python work — the same blocks
-the KV events must list anyway. A dict of blocks would touch all ~1,600 blocks of a 100K
+only blocks that actually move (stored, restored, evicted) cost per-block work — the same
+blocks the KV events must list anyway. A dict of blocks would touch all ~1,600 blocks of a 100K
 context several times per request.
 
 Invariants (``check_invariants``):
@@ -15,49 +15,35 @@ Invariants (``check_invariants``):
 * write-through: blocks enter L2 together with L1 unless L2 has no room (then they are
   L1-only, and L1 eviction drops them);
 * L1 eviction is LRU over unpinned L1 leaves, deeper first on ties (a touched path gets one
-  time, so leaves go before their prefix, like SGLang's leaf-first eviction); it drops the GPU
-  copy only;
+  time, so leaves go before their prefix, like SGLang's leaf-first eviction), then the order
+  they became candidates in; it drops the GPU copy only;
 * L2 eviction takes blocks held only in L2, unpinned, leaves first, in the host order
   (:class:`~evinfra.directory.eviction.HostEvictionOrder`: zero-count first from the pushed
   hints, or plain LRU). The order holds exactly the blocks of unpinned L2-only segments.
 
 Every store and removal is reported through ``emit`` as SGLang KV events.
+
+The tree lives in the native core (``evinfra/native/src/cache.cpp``): each call here is one
+native call, which returns what the events must say; this shell builds and emits them. The
+former pure-Python cache is the reference it is tested against
+(``tests/drivers/fake/reference_cache.py``, ``tests/property/test_cache_machine.py``).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import Counter, deque
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from evinfra.core.contracts import HintDelta
 from evinfra.core.events import BlockRemoved, BlockStored, KVEvent
-from evinfra.core.hashing import held_prefix
 from evinfra.core.types import BlockHash, Tier
 from evinfra.directory.eviction import HostEvictionOrder
+from evinfra.native import _native
 
 __all__ = ["InsertResult", "NodeCache"]
 
 _GPU, _CPU = Tier.L1.medium, Tier.L2.medium
-
-
-class _Seg:
-    __slots__ = ("hashes", "depth", "parent", "children", "l1", "l2", "lock", "access", "l1_kids")
-
-    def __init__(self, hashes: list[BlockHash], depth: int, parent: _Seg | None, l1: bool,
-                 l2: bool, lock: int, access: float) -> None:
-        self.hashes = hashes
-        self.depth = depth  # index of the first block in every path through this segment
-        self.parent = parent
-        self.children: dict[BlockHash, _Seg] = {}  # by first block
-        self.l1 = l1
-        self.l2 = l2
-        self.lock = lock  # requests pinning it (pins cover whole path prefixes)
-        self.access = access
-        self.l1_kids = 0  # children held in L1
 
 
 class InsertResult(NamedTuple):
@@ -78,122 +64,100 @@ class NodeCache:
         self.page = page_size
         self.l1_capacity = l1_tokens
         self.l2_capacity = l2_tokens
-        self._count_aware = count_aware
         self._emit = emit
-        self.clear()
+        self._tree = _native.NodeCache(page_size, l1_tokens, l2_tokens, count_aware)
+        self.order = HostEvictionOrder.of(self._tree.order)
+        """The host tier order (read-only for callers: the cache keeps it)."""
 
     def clear(self) -> None:
         """Forget everything without events (the node is gone)."""
-        self.order = HostEvictionOrder(self._count_aware)
-        self.reserved = 0
-        self.l1_blocks = 0
-        self.l2_blocks = 0
-        self.locked_l1 = 0
-        self._root = _Seg([], 0, None, True, True, 1, 0.0)
-        self._seg_of: dict[BlockHash, _Seg] = {}
-        self._heap: list[tuple[float, int, int, _Seg]] = []
-        self._seq = itertools.count()
+        self._tree.clear()
 
     # -- sizes ------------------------------------------------------------------------------
 
     @property
+    def reserved(self) -> int:
+        return self._tree.reserved
+
+    @property
+    def l1_blocks(self) -> int:
+        return self._tree.l1_blocks
+
+    @property
+    def l2_blocks(self) -> int:
+        return self._tree.l2_blocks
+
+    @property
+    def locked_l1(self) -> int:
+        """L1 blocks pinned by requests."""
+        return self._tree.locked_l1
+
+    @property
     def l1_used(self) -> int:
-        return self.l1_blocks * self.page + self.reserved
+        return self._tree.l1_used
 
     @property
     def l2_used(self) -> int:
-        return self.l2_blocks * self.page
+        return self._tree.l2_used
 
     @property
     def free(self) -> int:
         """GPU tokens free now."""
-        return self.l1_capacity - self.l1_used
+        return self._tree.free
 
     @property
     def kv_room(self) -> int:
         """GPU tokens a new request could get: free plus unpinned (evictable) L1."""
-        return self.free + (self.l1_blocks - self.locked_l1) * self.page
+        return self._tree.kv_room
 
     def make_room(self, tokens: int) -> bool:
         """Evict unpinned L1 blocks until ``tokens`` are free; False if pins prevent it."""
-        short = tokens - self.free
-        if short > 0:
-            self._evict_l1(-(-short // self.page))
-        return self.free >= tokens
+        ok, removed = self._tree.make_room(tokens)
+        if removed:
+            self._emit(BlockRemoved(removed, medium=_GPU))
+        return ok
 
     def reserve(self, tokens: int) -> bool:
-        if not self.make_room(tokens):
-            return False
-        self.reserved += tokens
-        return True
+        """Hold ``tokens`` of GPU KV outside the tree, evicting for them; False (nothing held)
+        if pins prevent it."""
+        ok, removed = self._tree.reserve(tokens)
+        if removed:
+            self._emit(BlockRemoved(removed, medium=_GPU))
+        return ok
 
     def release(self, tokens: int) -> None:
-        self.reserved -= tokens
+        self._tree.release(tokens)
 
     # -- queries ----------------------------------------------------------------------------
 
     def prefix(self, path: Sequence[BlockHash], limit: int | None = None) -> int:
         """Longest prefix of ``path[:limit]`` held in any tier (the tree is prefix-closed)."""
-        return held_prefix(path, self._seg_of, limit)
+        return self._tree.prefix(path, limit)
 
     def tier_prefix(self, path: Sequence[BlockHash], k: int, tier: Tier) -> int:
         """Longest prefix of ``path[:k]`` in ``tier``, where ``path[:k]`` is held."""
-        if k == 0:
-            return 0
-        seg = self._seg_of[path[k - 1]]
-        in_l1 = tier is Tier.L1
-        res = k
-        while seg is not self._root and not (seg.l1 if in_l1 else seg.l2):
-            res = seg.depth
-            seg = seg.parent
-        return res
+        return self._tree.tier_prefix(path, k, tier is Tier.L1)
 
     def l1_prefix(self, path: Sequence[BlockHash]) -> int:
-        return self.tier_prefix(path, self.prefix(path), Tier.L1)
+        return self._tree.tier_prefix(path, self._tree.prefix(path, None), True)
 
     def l2_prefix(self, path: Sequence[BlockHash]) -> int:
-        return self.tier_prefix(path, self.prefix(path), Tier.L2)
+        return self._tree.tier_prefix(path, self._tree.prefix(path, None), False)
 
     # -- pins -------------------------------------------------------------------------------
 
     def lock(self, path: Sequence[BlockHash], n: int, now: float) -> None:
         """Pin ``path[:n]`` (held) and touch it."""
-        self._lock_up(self._boundary(path, n), 0, now)
+        self._tree.lock(path, n, now)
 
     def extend_lock(self, path: Sequence[BlockHash], old: int, new: int, now: float) -> None:
         """Grow a pin of ``path[:old]`` to ``path[:new]``: only the new segments are walked."""
-        if new > old:
-            self._lock_up(self._boundary(path, new), old, now)
+        self._tree.extend_lock(path, old, new, now)
 
     def unlock(self, path: Sequence[BlockHash], n: int, now: float) -> None:
         """Release a pin of ``path[:n]`` and touch it. Segments the pin no longer tells apart
         merge, so a branch's chunks and turns do not deepen the tree forever."""
-        seg, below, root = self._boundary(path, n), None, self._root
-        while seg is not root:
-            seg.lock -= 1
-            seg.access = now
-            if seg.lock == 0:
-                if seg.l1:
-                    self.locked_l1 -= len(seg.hashes)
-                    self._push(seg)
-                else:
-                    self._order_add(seg)
-            if (below is not None and len(seg.children) == 1 and below.lock == seg.lock
-                    and below.l1 == seg.l1 and below.l2 == seg.l2):
-                seg = self._merge(seg, below)
-            below, seg = seg, seg.parent
-
-    def _lock_up(self, seg: _Seg, stop_depth: int, now: float) -> None:
-        root = self._root
-        while seg is not root and seg.depth >= stop_depth:
-            if seg.lock == 0:
-                if seg.l1:
-                    self.locked_l1 += len(seg.hashes)
-                else:
-                    self._order_remove(seg)
-            seg.lock += 1
-            seg.access = now
-            seg = seg.parent
+        self._tree.unlock(path, n, now)
 
     # -- stores -----------------------------------------------------------------------------
 
@@ -204,309 +168,35 @@ class NodeCache:
         Held L2-only blocks are restored, new blocks stored (``tokens`` are the path's token
         ids, for the events). Blocks that find no L1 room are left out, from the end.
         """
-        page = self.page
-        k = self.prefix(path, n)
-        self.lock(path, k, now)  # room-making must not evict the chain we extend
-        l1p = self.tier_prefix(path, k, Tier.L1)
-        stop1 = l1p + self._room_l1(n - l1p)
-        l2p = self.tier_prefix(path, k, Tier.L2)
-        stop2 = l2p + self._room_l2(stop1 - l2p)
-        for seg in self._range(path, l1p, min(k, stop1)):
-            seg.l1 = True
-            self.l1_blocks += len(seg.hashes)
-            self.locked_l1 += len(seg.hashes)
-            seg.parent.l1_kids += 1
-        for seg in self._range(path, l2p, min(k, stop2)):
-            seg.l2 = True
-            self.l2_blocks += len(seg.hashes)
-        if stop1 > k:
-            parent = self._boundary(path, k)
-            if stop2 > k:
-                parent = self._new(parent, list(path[k:stop2]), k, True, now)
-            if stop1 > max(k, stop2):
-                self._new(parent, list(path[max(k, stop2):stop1]), max(k, stop2), False, now)
+        k, l1p, stop1, l2p, stop2, gone1, gone2 = self._tree.insert(path, n, now)
+        emit, page = self._emit, self.page
+        if gone1:
+            emit(BlockRemoved(gone1, medium=_GPU))
+        if gone2:
+            emit(BlockRemoved(gone2, medium=_CPU))
         # Token ids travel as views of the request's array: converting them to lists was
         # the largest single cost of a simulation.
         for a, b, medium in ((l1p, stop1, _GPU), (l2p, stop2, _CPU)):
             if b > a:
-                self._emit(BlockStored(list(path[a:b]), path[a - 1] if a else None,
-                                       tokens[a * page:b * page], page, medium=medium))
-        self.unlock(path, k, now)
+                emit(BlockStored(list(path[a:b]), path[a - 1] if a else None,
+                                 tokens[a * page:b * page], page, medium=medium))
         return InsertResult(stop1, max(0, min(k, stop1) - l1p), max(0, stop1 - k))
-
-    def _new(self, parent: _Seg, hashes: list[BlockHash], depth: int, l2: bool,
-             now: float) -> _Seg:
-        seg = _Seg(hashes, depth, parent, True, l2, 0, now)
-        parent.children[hashes[0]] = seg
-        parent.l1_kids += 1
-        held = self._seg_of
-        for h in hashes:
-            held[h] = seg
-        self.l1_blocks += len(hashes)
-        if l2:
-            self.l2_blocks += len(hashes)
-        self._push(seg)
-        return seg
-
-    def _range(self, path: Sequence[BlockHash], a: int, b: int) -> list[_Seg]:
-        """The segments covering ``path[a:b]`` (held), split at both ends."""
-        if b <= a:
-            return []
-        self._boundary(path, a)
-        seg, out = self._boundary(path, b), []
-        while seg.depth >= a and seg is not self._root:
-            out.append(seg)
-            seg = seg.parent
-        return out
 
     # -- hints ------------------------------------------------------------------------------
 
     def apply_hints(self, delta: HintDelta) -> None:
         """Regroup host blocks whose count crossed zero. A regrouped batch joins its group as
-        its newest entries; ordering it LRU and leaves first keeps eviction leaf-first.
-        Plain LRU eviction has no groups: the hints change nothing there."""
-        if not self._count_aware:
-            return
-        self.order.apply_hints(delta, self._leaf_first)
-
-    def _leaf_first(self, blocks: list[BlockHash]) -> list[BlockHash]:
-        """Host blocks (held, distinct) by their segment's access time, deepest first, each
-        segment's blocks from its tail. Blocks are only counted per segment (C loops):
-        usually a whole segment crossed, and its own list is the answer."""
-        count = Counter(map(self._seg_of.__getitem__, blocks))
-        chosen: set[BlockHash] | None = None
-        out: list[BlockHash] = []
-        for seg in sorted(count, key=lambda s: (s.access, -s.depth)):
-            if count[seg] == len(seg.hashes):
-                out.extend(reversed(seg.hashes))
-            else:
-                if chosen is None:
-                    chosen = set(blocks)
-                out.extend(h for h in reversed(seg.hashes) if h in chosen)
-        return out
-
-    # -- eviction ---------------------------------------------------------------------------
-
-    def _room_l1(self, blocks: int) -> int:
-        """How many of ``blocks`` new L1 blocks fit, after evicting what may be evicted."""
-        if blocks <= 0:
-            return 0
-        self.make_room(blocks * self.page)
-        return max(0, min(blocks, self.free // self.page))
-
-    def _room_l2(self, blocks: int) -> int:
-        if blocks <= 0:
-            return 0
-        short = blocks - (self.l2_capacity // self.page - self.l2_blocks)
-        if short > 0:
-            self._evict_l2(short)
-        return max(0, min(blocks, self.l2_capacity // self.page - self.l2_blocks))
-
-    def _push(self, seg: _Seg) -> None:
-        """Offer ``seg`` to L1 eviction if it is an unpinned L1 leaf. Entries are checked when
-        popped (lazy deletion): a changed access time, depth or state voids them."""
-        if seg.l1 and not seg.lock and not seg.l1_kids:
-            heapq.heappush(self._heap, (seg.access, -seg.depth, next(self._seq), seg))
-            if len(self._heap) > 2 * self.l1_blocks + 1024:
-                self._heap[:] = [e for e in self._heap if self._live(e)]  # in place: callers
-                heapq.heapify(self._heap)                                 # may hold the list
-
-    @staticmethod
-    def _live(entry: tuple[float, int, int, _Seg]) -> bool:
-        access, neg_depth, _, seg = entry
-        return (seg.l1 and not seg.lock and not seg.l1_kids and seg.access == access
-                and seg.depth == -neg_depth)
-
-    def _evict_l1(self, blocks: int) -> None:
-        removed: list[BlockHash] = []
-        heap = self._heap
-        while blocks > 0 and heap:
-            entry = heapq.heappop(heap)
-            if not self._live(entry):
-                continue
-            seg = entry[3]
-            if len(seg.hashes) > blocks:  # take the tail only
-                seg = self._split(seg, len(seg.hashes) - blocks)[1]
-            blocks -= len(seg.hashes)
-            removed.extend(seg.hashes)
-            self._drop_l1(seg)
-        if removed:
-            self._emit(BlockRemoved(removed, medium=_GPU))
-
-    def _drop_l1(self, seg: _Seg) -> None:
-        seg.l1 = False
-        self.l1_blocks -= len(seg.hashes)
-        parent = seg.parent
-        parent.l1_kids -= 1
-        if parent is not self._root:
-            self._push(parent)
-        if seg.l2:
-            self._order_add(seg)
-        else:  # its write-through found no room: held nowhere now (a leaf, by L2 closure)
-            del parent.children[seg.hashes[0]]
-            for h in seg.hashes:
-                del self._seg_of[h]
-
-    def _evict_l2(self, blocks: int) -> None:
-        """Free ``blocks`` host blocks in the host order, leaves first.
-
-        A pass walks the order and takes each block that is the tail of a childless segment
-        once the blocks after it are taken. It stops at the first block it cannot take yet:
-        that block is older (or zero-count) and may become a leaf when this pass's victims
-        go, so everything after it waits for the next pass."""
-        held, order, removed = self._seg_of, self.order, []
-        while len(removed) < blocks:
-            taken: dict[_Seg, int] = {}
-            batch: list[BlockHash] = []
-            need = blocks - len(removed)
-            victims = order.victims()
-            while (h := next(victims, None)) is not None:
-                seg = held[h]
-                t = taken.get(seg, 0)
-                hashes = seg.hashes
-                if seg.children or hashes[-1 - t] != h:
-                    if batch:
-                        break
-                    continue
-                # A segment joins the order tail first, so the blocks before ``h`` usually
-                # come next: compare as many as may be taken in one go.
-                end = len(hashes) - t - 1
-                run = hashes[max(0, end - (need - len(batch) - 1)):end][::-1]
-                after = list(itertools.islice(victims, len(run)))
-                same = 0
-                if after == run:
-                    same = len(run)
-                else:
-                    while same < len(after) and after[same] == run[same]:
-                        same += 1
-                    victims = itertools.chain(after[same:], victims)
-                taken[seg] = t + 1 + same
-                batch.append(h)
-                batch += run[:same]
-                if len(batch) == need:
-                    break
-            if not batch:
-                break
-            deque(map(held.__delitem__, batch), 0)
-            for seg, t in taken.items():  # each loses its last t blocks
-                hashes = seg.hashes
-                if t == len(hashes):
-                    del seg.parent.children[hashes[0]]
-                del hashes[len(hashes) - t:]
-            order.remove_all(batch)
-            self.l2_blocks -= len(batch)
-            removed.extend(batch)
-        if removed:
-            self._emit(BlockRemoved(removed, medium=_CPU))
-
-    def _order_add(self, seg: _Seg) -> None:
-        # Deepest first: leaves are evicted before their prefix.
-        self.order.touch_all(reversed(seg.hashes))
-
-    def _order_remove(self, seg: _Seg) -> None:
-        self.order.remove_all(seg.hashes)
-
-    # -- tree surgery -----------------------------------------------------------------------
-
-    def _boundary(self, path: Sequence[BlockHash], k: int) -> _Seg:
-        """The segment ending exactly at ``path[k - 1]`` (held), splitting one if needed."""
-        if k == 0:
-            return self._root
-        seg = self._seg_of[path[k - 1]]
-        cut = k - seg.depth
-        if cut < len(seg.hashes):
-            seg = self._split(seg, cut)[0]
-        return seg
-
-    def _merge(self, head: _Seg, tail: _Seg) -> _Seg:
-        """Join ``tail``, the only child of ``head``, into one segment (same flags, pins and
-        access); the object with more blocks survives, so only the other's are re-pointed."""
-        held = self._seg_of
-        if len(tail.hashes) <= len(head.hashes):
-            keep, gone = head, tail
-            for h in tail.hashes:
-                held[h] = head
-            head.hashes += tail.hashes
-            head.children = tail.children
-        else:
-            keep, gone = tail, head
-            for h in head.hashes:
-                held[h] = tail
-            tail.hashes = head.hashes + tail.hashes
-            tail.depth, tail.parent = head.depth, head.parent
-            head.parent.children[tail.hashes[0]] = tail
-        for child in keep.children.values():
-            child.parent = keep
-        keep.l1_kids = tail.l1_kids
-        gone.l1 = gone.l2 = False  # voids its heap entries
-        self._push(keep)
-        return keep
-
-    def _split(self, seg: _Seg, p: int) -> tuple[_Seg, _Seg]:
-        """Split ``seg`` after its ``p``-th block; the smaller half becomes the new object, so
-        only its blocks are re-pointed."""
-        hashes, kids = seg.hashes, seg.l1_kids
-        new = _Seg([], 0, None, seg.l1, seg.l2, seg.lock, seg.access)
-        if p <= len(hashes) - p:
-            head, tail = new, seg
-            head.depth, head.parent = seg.depth, seg.parent
-            seg.parent.children[hashes[0]] = head
-        else:
-            head, tail = seg, new
-            tail.children = seg.children
-            for child in tail.children.values():
-                child.parent = tail
-        head.hashes, tail.hashes = hashes[:p], hashes[p:]
-        tail.depth, tail.parent = head.depth + p, head
-        head.children = {tail.hashes[0]: tail}
-        tail.l1_kids, head.l1_kids = kids, int(tail.l1)
-        held = self._seg_of
-        for h in new.hashes:
-            held[h] = new
-        self._push(tail)
-        return head, tail
+        its newest entries, ordered LRU by segment and leaves first, which keeps eviction
+        leaf-first. Plain LRU eviction has no groups: the hints change nothing there."""
+        self._tree.apply_hints(delta.positive, delta.zero, delta.replace)
 
     # -- checks -----------------------------------------------------------------------------
 
     def blocks(self, tier: Tier) -> set[BlockHash]:
         """Every block held in ``tier`` (tests and status; O(blocks))."""
-        in_l1 = tier is Tier.L1
-        return {h for h, seg in self._seg_of.items() if (seg.l1 if in_l1 else seg.l2)}
+        return set(self._tree.blocks(tier is Tier.L1))
 
     def check_invariants(self) -> None:
         """Assert the tree, the counters and the host order agree (for tests)."""
-        l1 = l2 = locked = blocks = 0
-        host: set[BlockHash] = set()
-        candidates: set[int] = set()
-        stack = [self._root]
-        while stack:
-            seg = stack.pop()
-            for key, child in seg.children.items():
-                assert child.hashes and child.hashes[0] == key and child.parent is seg
-                assert child.depth == seg.depth + len(seg.hashes)
-                assert child.l1 or child.l2, "segment held nowhere"
-                assert seg.l1 or not child.l1, "L1 not prefix-closed"
-                assert seg.l2 or not child.l2, "L2 not prefix-closed"
-                assert 0 <= child.lock and (seg is self._root or child.lock <= seg.lock), \
-                    "a pin must cover a whole prefix"
-                stack.append(child)
-            assert seg.l1_kids == sum(c.l1 for c in seg.children.values())
-            if seg is self._root:
-                continue
-            assert all(self._seg_of[h] is seg for h in seg.hashes)
-            n = len(seg.hashes)
-            blocks += n
-            l1 += n * seg.l1
-            l2 += n * seg.l2
-            locked += n * (seg.l1 and seg.lock > 0)
-            if seg.l2 and not seg.l1 and not seg.lock:
-                host.update(seg.hashes)
-            if seg.l1 and not seg.lock and not seg.l1_kids:
-                candidates.add(id(seg))
-        assert (l1, l2, locked) == (self.l1_blocks, self.l2_blocks, self.locked_l1)
-        assert len(self._seg_of) == blocks, "a held block outside the tree"
-        assert len(self.order) == len(host) and all(h in self.order for h in host)
-        self.order.check_invariants()
-        assert candidates <= {id(e[3]) for e in self._heap if self._live(e)}, "lost L1 leaf"
-        assert 0 <= self.reserved and self.l1_used <= self.l1_capacity
-        assert self.l2_used <= self.l2_capacity
+        bad = self._tree.check()
+        assert not bad, bad

@@ -11,12 +11,17 @@ $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q -e '.[dev,sglang]'
 	touch $@
 
-.PHONY: install native run sglang-env test
+.PHONY: install native run sanitize sglang-env test
 install: $(VENV)/.installed
 
 # Rebuild only the native core after editing it (incremental; one build at a time).
 native: | $(VENV)/.installed
 	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+# The native core under AddressSanitizer and UndefinedBehaviorSanitizer: the property machines
+# and the unit tests of its parts (scripts/sanitize.sh; several minutes).
+sanitize: | $(VENV)/.installed
+	PY=$(PY) bash scripts/sanitize.sh
 
 # Real SGLang 0.5.23 for CPU in its own venv, for tests/integration/test_sglang_*.py (idempotent:
 # about a second when up to date; 1-2 minutes and 1.9 GB the first time).

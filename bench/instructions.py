@@ -54,6 +54,8 @@ class Count(NamedTuple):
 # run, or with 0 seconds only its imports and the config.
 _CHILD = """
 import logging, sys
+# The checkout on PYTHONPATH is measured, not the one an editable install's finder maps.
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
 import structlog
 from bench.sim import run
 from evinfra.config import load_config
@@ -87,6 +89,25 @@ def _read(proc: subprocess.Popen) -> tuple[int, int]:
         raise SystemExit(f"bench.instructions: a run failed (exit {proc.returncode}): "
                          f"{said[-1] if said else 'no output'}")
     return int(requests.group(1)), int(refs.group(1).replace(",", ""))
+
+
+def build_native(root: Path, build: Path) -> None:
+    """Build a checkout's native core (a ``CMakeLists.txt`` at its root) into its package, as
+    an editable install would, out of ``build``; a checkout from before it needs nothing."""
+    if not (root / "CMakeLists.txt").exists() or list((root / "evinfra/native").glob("_native*")):
+        return
+    import nanobind
+
+    for cmd in (["cmake", "-S", str(root), "-B", str(build), "-G", "Ninja",
+                 "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}",
+                 f"-Dnanobind_DIR={nanobind.cmake_dir()}"],
+                ["cmake", "--build", str(build)]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"bench.instructions: cannot build {root}'s native core: "
+                             f"{(done.stdout + done.stderr).strip().splitlines()[-1:]}")
+    for so in build.glob("_native*"):
+        shutil.copy(so, root / "evinfra/native")
 
 
 def measure(roots: dict[str, Path], seconds: float, nodes: int = 9) -> list[Count]:
@@ -135,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
                                  f"{why[-1]}")
             roots[args.against] = other
         try:
+            if args.against is not None:
+                build_native(roots[args.against], Path(tmp) / "build")
             counts = measure(roots, args.seconds, args.nodes)
         finally:
             if args.against is not None:

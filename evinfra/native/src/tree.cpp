@@ -56,7 +56,6 @@ class Tree {
     return nodes_++;
   }
 
-  int nodes() const { return nodes_; }
   size_t size() const { return slot_.size(); }
   bool contains(Hash h) const { return slot_.find(h) != slot_.end(); }
 
@@ -437,10 +436,8 @@ void bind_tree(nb::module_& m) {
       .def("apply_batch", &Tree::apply_batch, nb::arg("node"), nb::arg("events"))
       .def("counts", &Tree::counts)
       .def("add_node", &Tree::add_node)
-      .def_prop_ro("nodes", &Tree::nodes)
       .def("__len__", &Tree::size)
       .def("__contains__", &Tree::contains)
-      .def("clear", &Tree::clear)
       .def("match", &Tree::match_array)
       .def("match", &Tree::match)
       .def("tiers", &Tree::tiers)

@@ -13,37 +13,19 @@ import heapq
 import itertools
 from collections import Counter, OrderedDict, deque
 from itertools import chain, filterfalse, repeat
-from typing import Callable, Container, Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from evinfra.core.contracts import HintDelta
 from evinfra.core.events import BlockRemoved, BlockStored, KVEvent
+from evinfra.core.hashing import held_prefix
 from evinfra.core.types import BlockHash, Tier
+from evinfra.drivers.fake.cache import InsertResult
 
 __all__ = ["HostEvictionOrder", "InsertResult", "NodeCache"]
 
 _GPU, _CPU = Tier.L1.medium, Tier.L2.medium
-
-
-def held_prefix(path: Sequence[BlockHash], held: Container[BlockHash],
-                limit: int | None = None) -> int:
-    """Leading blocks of ``path[:limit]`` in ``held``, a prefix-closed set of blocks (each
-    with its parent: a cache that evicts leaves first), by binary search (as
-    ``evinfra.core.hashing.held_prefix`` was when this cache was the engine's)."""
-    n = len(path) if limit is None else min(limit, len(path))
-    if n == 0 or path[0] not in held:
-        return 0
-    if path[n - 1] in held:
-        return n
-    lo, hi = 1, n - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if path[mid - 1] in held:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class HostEvictionOrder:
@@ -175,15 +157,6 @@ class _Seg:
         self.lock = lock  # requests pinning it (pins cover whole path prefixes)
         self.access = access
         self.l1_kids = 0  # children held in L1
-
-
-class InsertResult(NamedTuple):
-    resident: int
-    """Leading blocks of the path in L1 afterwards."""
-    restored: int
-    """Blocks loaded from this node's L2 into L1."""
-    added: int
-    """Blocks new to this node."""
 
 
 class NodeCache:

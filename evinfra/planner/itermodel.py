@@ -16,9 +16,11 @@ Public API (the router and the planner rely on these names)::
         .mu_p(t_uc, t_c, A=None)            1 / T_P^req
         .mu_d(t_out, t_acc, B)              1 / T_D^req (0 at B = 0)
         .remeasured(t_bar, f)               the same coefficients with new t̄_n, f_n
+        .reduced .pooled .stand_in          coefficients not from the node's own full fit
     NodeFitter(node, k_over_e, t_fwd)       collects a node's IterationReports, fits, freezes
         .add(report)   .fit() -> FitReport
     FitReport                               the model plus what the fit could and could not tell
+    pool(models)                            each model with the phases it lacks taken from peers
     PrefillMix                              t̄_n and f_n of one node from its prefill iterations
 
 Check ``prefill_ok`` / ``decode_ok`` before predicting: a model whose records could not separate
@@ -38,6 +40,13 @@ too few records, a column that is always zero (no host restores: ``c3``), or col
 linearly dependent (every iteration had the same Σt_uc, so ``c0`` and ``c1`` trade off; one
 batch size, so ``d0``-``d2`` trade off). Only ``c3`` may be missing from a usable prefill
 model: without restores it is taken as 0, which is exact for a node that never restores.
+
+Stand-ins, so that one node's records never block the planner. Tied coefficients are fixed
+at 0 one at a time until the rest are identified (``reduced``: the fit is still exact for
+iterations like the recorded ones), and a phase a node has no usable records of takes the
+median coefficients of the nodes that identified it (:func:`pool`, ``pooled``; all nodes
+serve one model). A model with stand-ins keeps fitting online (the planner refits it every
+window) until its own records identify it.
 """
 
 from __future__ import annotations
@@ -52,7 +61,7 @@ from scipy.optimize import nnls
 from evinfra.core.events import IterationReport, PrefillItem
 from evinfra.core.types import NodeId, qk_pairs
 
-__all__ = ["FitReport", "NodeFitter", "NodeModel", "PrefillMix", "phi"]
+__all__ = ["FitReport", "NodeFitter", "NodeModel", "PrefillMix", "phi", "pool"]
 
 PREFILL_COEFFICIENTS = ("c0", "c1", "c2", "c3")
 DECODE_COEFFICIENTS = ("d0", "d1", "d2")
@@ -67,6 +76,13 @@ _NULL_EIGENVALUE = 1e-10
 _NULL_LEAK = 1e-6
 # Rows per coefficient before a fit is trusted: with fewer, NNLS interpolates the noise.
 _ROWS_PER_COEFFICIENT = 2
+# Which tied coefficient a reduced fit fixes at 0 first. Prefill: with equal Σt_uc per
+# iteration the per-iteration cost c0 folds into the per-token c1 (Eq. 3 charges c0/t̄ per
+# token, the same sum); restores tied to the prefix fold into the attention term. Decode: the
+# expert-reading term φ(B) is what a narrow range of batch sizes cannot separate from 1 and B;
+# with a single batch size the time is taken as constant (decode at small B reads weights).
+_PREFILL_DROP = ("c0", "c3", "c2", "c1")
+_DECODE_DROP = ("d1", "d2", "d0")
 # Rows wait in a list and join the Gram matrix in numpy batches of this many.
 _FOLD_EVERY = 512
 
@@ -98,6 +114,17 @@ class NodeModel(msgspec.Struct, frozen=True, kw_only=True):
     t_bar: float
     f: float
     unidentified: tuple[str, ...] = ()
+    reduced: tuple[str, ...] = ()
+    """Coefficients a reduced fit fixed at 0 because the records could not separate them from
+    the others (:meth:`NodeFitter.fit`)."""
+    pooled: tuple[str, ...] = ()
+    """Coefficients carried from the nodes that identified them (:func:`pool`): this node's
+    records could not determine them."""
+
+    @property
+    def stand_in(self) -> bool:
+        """Some coefficient is not the node's own fit (reduced or pooled): keep fitting."""
+        return bool(self.reduced or self.pooled)
 
     @property
     def prefill_ok(self) -> bool:
@@ -246,36 +273,57 @@ class _NormalEquations:
         self.rows += int(c.sum())
         self._pending.clear()
 
-    def solve(self, what: str) -> tuple[np.ndarray, list[str], float, list[str]]:
-        """NNLS on the rows so far -> (coefficients, unidentified, RMS rel. error, problems)."""
+    def solve(self, what: str, drop: tuple[str, ...] = ()
+              ) -> tuple[np.ndarray, list[str], float, list[str], list[str]]:
+        """NNLS on the rows so far -> (coefficients, unidentified, RMS rel. error, problems,
+        reduced).
+
+        Coefficients whose columns are linearly dependent are fixed at 0 one at a time, in
+        the order ``drop``, until the rest are identified (``reduced``): the reduced model
+        fits the records as well as any solution would, so it predicts batches like them
+        exactly and extrapolates along the kept columns only. Ties ``drop`` does not name
+        stay unidentified."""
         self._fold()
         p = len(self.coefficients)
         names = ", ".join(self.coefficients)
         if self.rows == 0:
             return np.zeros(p), list(self.coefficients), float("nan"), [
-                f"{names} unidentifiable: no {what} iterations recorded"]
+                f"{names} unidentifiable: no {what} iterations recorded"], []
         if self.rows < _ROWS_PER_COEFFICIENT * p:
             return np.zeros(p), list(self.coefficients), float("nan"), [
                 f"{names} unidentifiable: only {self.rows} {what} iterations recorded, "
-                f"{_ROWS_PER_COEFFICIENT * p} needed"]
+                f"{_ROWS_PER_COEFFICIENT * p} needed"], []
         norm = np.sqrt(np.diag(self.gram))
         live = norm > 0
         unidentified = [c for c, ok in zip(self.coefficients, live) if not ok]
         problems = [f"{c} unidentifiable: column {col} is 0 in every {what} record"
                     for c, col, ok in zip(self.coefficients, self.columns, live) if not ok]
-        scale = norm[live]
-        gram = self.gram[np.ix_(live, live)] / np.outer(scale, scale)
-        moment = self.moment[live] / scale
-        lam, vec = np.linalg.eigh(gram)
-        null = lam <= _NULL_EIGENVALUE * lam.max()
-        tied_live = (vec[:, null] ** 2).sum(axis=1) > _NULL_LEAK
-        tied = np.flatnonzero(live)[tied_live]
-        if tied.size:
-            problems.append(
-                f"{', '.join(self.coefficients[i] for i in tied)} unidentifiable: columns "
-                f"{', '.join(self.columns[i] for i in tied)} are linearly dependent over the "
-                f"{self.rows} {what} records")
-            unidentified += [self.coefficients[i] for i in tied]
+        reduced: list[str] = []
+        while True:
+            idx = np.flatnonzero(live)
+            scale = norm[idx]
+            gram = self.gram[np.ix_(idx, idx)] / np.outer(scale, scale)
+            moment = self.moment[idx] / scale
+            lam, vec = np.linalg.eigh(gram)
+            null = lam <= _NULL_EIGENVALUE * lam.max()
+            tied = idx[(vec[:, null] ** 2).sum(axis=1) > _NULL_LEAK]
+            if not tied.size:
+                break
+            tied_names = [self.coefficients[i] for i in tied]
+            if not reduced:
+                problems.append(
+                    f"{', '.join(tied_names)} unidentifiable: columns "
+                    f"{', '.join(self.columns[i] for i in tied)} are linearly dependent over "
+                    f"the {self.rows} {what} records")
+            pick = next((c for c in drop if c in tied_names), None)
+            if pick is None:
+                unidentified += tied_names
+                break
+            live[self.coefficients.index(pick)] = False
+            reduced.append(pick)
+        if reduced:
+            problems.append(f"{', '.join(reduced)} fixed at 0 so that the rest are identified "
+                            f"(a reduced fit, exact for {what} iterations like these)")
         # ||R x − b||² is the weighted residual up to a constant, with R = Λ^½ Vᵀ over the
         # non-null directions: NNLS on the Gram's square root instead of on the raw rows.
         keep = ~null
@@ -283,10 +331,11 @@ class _NormalEquations:
         x, _ = nnls(root[:, None] * vec[:, keep].T, (vec[:, keep].T @ moment) / root)
         residual = x @ gram @ x - 2 * moment @ x + self.rows
         coef = np.zeros(p)
-        coef[live] = x / scale
+        coef[idx] = x / scale
         order = {c: i for i, c in enumerate(self.coefficients)}
         unidentified.sort(key=order.__getitem__)
-        return coef, unidentified, float(np.sqrt(max(residual, 0.0) / self.rows)), problems
+        return coef, unidentified, float(np.sqrt(max(residual, 0.0) / self.rows)), problems, \
+            reduced
 
 
 class NodeFitter:
@@ -324,8 +373,8 @@ class NodeFitter:
 
     def fit(self) -> FitReport:
         """Fit both equations on every record so far (NNLS), and freeze them into a model."""
-        c, c_bad, c_err, c_problems = self._prefill.solve("prefill")
-        d, d_bad, d_err, d_problems = self._decode.solve("decode")
+        c, c_bad, c_err, c_problems, c_reduced = self._prefill.solve("prefill", _PREFILL_DROP)
+        d, d_bad, d_err, d_problems, d_reduced = self._decode.solve("decode", _DECODE_DROP)
         problems = c_problems + d_problems
         if self._skipped:
             problems.append(f"{self._skipped} records skipped: prefill and decode in one "
@@ -338,7 +387,42 @@ class NodeFitter:
         model = NodeModel(node=self.node, c0=c0, c1=c1, c2=c2, c3=c3, d0=d0, d1=d1, d2=d2,
                           k_over_e=self.k_over_e, t_fwd=self.t_fwd,
                           t_bar=self.mix.t_bar or 0.0, f=self.mix.f or 0.0,
-                          unidentified=tuple(c_bad + d_bad))
+                          unidentified=tuple(c_bad + d_bad), reduced=tuple(c_reduced + d_reduced))
         return FitReport(node=self.node, model=model, prefill_records=self._prefill.rows,
                          decode_records=self._decode.rows, skipped_records=self._skipped,
                          prefill_error=c_err, decode_error=d_err, problems=problems)
+
+
+_PHASES = {"prefill": ("c0", "c1", "c2", "c3"), "decode": DECODE_COEFFICIENTS}
+# What a phase's model cannot do without (c3 may be 0: module docstring).
+_NEEDED = {"prefill": {"c0", "c1", "c2"}, "decode": set(DECODE_COEFFICIENTS)}
+
+
+def pool(models: Sequence[NodeModel]) -> list[NodeModel]:
+    """Every model, with the coefficients of a phase it cannot use replaced by the element-wise
+    median of the nodes whose own fit identified that phase (all nodes serve one model on
+    like hardware: a peer's coefficients are the best prior a node has). Donors with a full
+    fit of the phase are preferred to reduced ones; pooled coefficients are never passed on.
+    A node without prefill iterations also takes the donors' median t̄_n and f_n (the
+    window remeasures them later). A phase no node identified stays unidentified."""
+    out = []
+    for m in models:
+        for phase, names in _PHASES.items():
+            if not set(m.unidentified) & _NEEDED[phase]:
+                continue
+            usable = [x for x in models if x is not m and not set(x.unidentified) & _NEEDED[phase]
+                      and not set(x.pooled) & set(names)]
+            full = [x for x in usable if not set(x.reduced) & set(names)]
+            donors = full or usable
+            if not donors:
+                continue
+            values = {c: float(np.median([getattr(x, c) for x in donors])) for c in names}
+            if phase == "prefill" and m.t_bar <= 0:
+                values["t_bar"] = float(np.median([x.t_bar for x in donors]))
+                values["f"] = float(np.median([x.f for x in donors]))
+            m = msgspec.structs.replace(
+                m, **values, unidentified=tuple(c for c in m.unidentified if c not in names),
+                reduced=tuple(c for c in m.reduced if c not in names),
+                pooled=m.pooled + names)
+        out.append(m)
+    return out

@@ -27,7 +27,7 @@ from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
 from evinfra.errors import ConfigError
-from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi
+from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi, pool
 from evinfra.planner.window import SliceWork, Window
 
 __all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "SplitPlanner", "plan"]
@@ -433,15 +433,18 @@ class Planner:
     def finish_warmup(self, now: float) -> list[FitReport]:
         """Algorithm E.3 line 1: fit every node's models, freeze them, start the first window.
 
-        Nodes whose fit is unusable keep collecting records and are refitted at every window
-        end; until all are usable the planner keeps the split and says which node lacks what.
+        A node whose records could not identify its models gets stand-ins (a reduced fit, or
+        a phase pooled from its peers: :func:`~evinfra.planner.itermodel.pool`), keeps
+        collecting records in the phase it serves, and is refitted at every window end until
+        its own fit is complete; each decision names the stand-ins it used. Only a phase that
+        no node identified keeps the split (the reason says which node lacks what).
         """
         if not self.warming_up:
             raise RuntimeError("finish_warmup was already called")
         reports = [fitter.fit() for fitter in self._fitters.values()]
         self.fits = {r.node: r for r in reports}
-        self.models = {r.node: r.model for r in reports}
-        self._fitters = {r.node: self._fitters[r.node] for r in reports if not r.usable}
+        self.models = {m.node: m for m in pool([r.model for r in reports])}
+        self._fitters = {r.node: self._fitters[r.node] for r in reports if not _complete(r)}
         for r in reports:
             _log_fit(r)
         self._window = Window(now, self.config.t_win, self.config.m, self._q)
@@ -473,6 +476,10 @@ class Planner:
                                 reason=f"keep {self.split.label}: {blocked}")
         else:
             decision = self._plan(slices, now)
+            stand_ins = self._stand_ins()
+            if stand_ins:
+                decision = msgspec.structs.replace(
+                    decision, reason=f"{decision.reason}; stand-in models: {stand_ins}")
         # The whole decision (slices, per-slice gains) is served by the status API; the log
         # line carries what a reader scans for.
         log.info("planner_decision", at=now, split=decision.split.label,
@@ -499,14 +506,17 @@ class Planner:
                                   self._q)
 
     def _remeasure(self, window: Window) -> None:
-        """E.3 line 15: new t̄_n, f_n for every model; refit the nodes still unusable."""
+        """E.3 line 15: new t̄_n, f_n for every model; refit the nodes whose own fit is not
+        complete, and pool what they still lack."""
         for node, fitter in list(self._fitters.items()):
             report = fitter.fit()
             self.fits[node] = report
             self.models[node] = report.model
-            if report.usable:
+            if _complete(report):
                 del self._fitters[node]
                 _log_fit(report)
+        if self._fitters:
+            self.models = {m.node: m for m in pool(list(self.models.values()))}
         measured = window.remeasure({n: (x.t_bar, x.f) for n, x in self.models.items()})
         self.models = {n: x.remeasured(*measured[n]) for n, x in self.models.items()}
 
@@ -535,9 +545,24 @@ class Planner:
                     f"{self._last_switch:g} s")
         unusable = [n for n, x in self.models.items() if not (x.prefill_ok and x.decode_ok)]
         if unusable:
-            return "no usable model for " + "; ".join(
+            return "no usable model, from its own records or its peers', for " + "; ".join(
                 f"{n}: {'; '.join(self.fits[n].problems)}" for n in unusable)
         return None
+
+    def _stand_ins(self) -> str:
+        """The coefficients this decision took from stand-ins rather than a node's own fit."""
+        parts = []
+        for n, m in sorted(self.models.items()):
+            what = ([f"{', '.join(m.reduced)} fixed at 0 (reduced fit)"] if m.reduced else []) + (
+                [f"{', '.join(m.pooled)} pooled from peers"] if m.pooled else [])
+            if what:
+                parts.append(f"{n}: {' and '.join(what)}")
+        return "; ".join(parts)
+
+
+def _complete(r: FitReport) -> bool:
+    """The node's own records identified its models without a reduced fit: frozen."""
+    return r.usable and not r.model.reduced
 
 
 def _log_fit(r: FitReport) -> None:

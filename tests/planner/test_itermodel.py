@@ -9,7 +9,7 @@ from planner_fakes import TRUTH, Synth
 
 from evinfra.core.events import IterationReport, PrefillItem
 from evinfra.core.types import qk_pairs
-from evinfra.planner import FitReport, NodeFitter, NodeModel, PrefillMix, phi
+from evinfra.planner import FitReport, NodeFitter, NodeModel, PrefillMix, phi, pool
 
 
 def fitter() -> NodeFitter:
@@ -175,24 +175,65 @@ def test_coefficients_are_non_negative():
 # -- bad input -------------------------------------------------------------------------------
 
 
-def test_equal_uncached_tokens_leave_c0_and_c1_unidentified(synth):
+def test_equal_uncached_tokens_tie_c0_and_c1_and_a_reduced_fit_folds_c0_into_c1(synth):
     f = fitter()
-    for c in np.geomspace(1024, 262_144, 30):
-        f.add(synth.prefill("n0", [(4096, int(c), int(c * synth.rng.uniform()))]))
+    fitted = [synth.prefill("n0", [(4096, int(c), int(c * synth.rng.uniform()))])
+              for c in np.geomspace(1024, 262_144, 30)]
+    for r in fitted:
+        f.add(r)
     for B in range(1, 65, 3):  # noqa: N806
         f.add(synth.decode("n0", B))
     report = f.fit()
-    assert report.model.unidentified == ("c0", "c1")
-    assert not report.model.prefill_ok and report.model.decode_ok and not report.usable
+    assert report.model.unidentified == ()
+    assert report.model.reduced == ("c0",) and report.model.c0 == 0.0 and report.model.c1 > 0
+    assert report.model.prefill_ok and report.model.decode_ok and report.usable
     assert any("c0, c1 unidentifiable" in p and "1, Σt_uc" in p for p in report.problems)
+    assert any("c0 fixed at 0" in p for p in report.problems)
+    # Exact for iterations like the recorded ones; 4096 tokens cost c0 + 4096·c1 of the truth.
+    fresh = [synth.prefill("n0", [(4096, int(c), int(c * synth.rng.uniform()))])
+             for c in np.geomspace(2048, 131_072, 12)]
+    assert mean_error(report.model, fresh) < 0.07
+    assert report.model.c1 * 4096 == pytest.approx(TRUTH.c0 + TRUTH.c1 * 4096, rel=0.1)
 
 
 def test_restores_proportional_to_the_prefix_tie_c2_and_c3(synth):
-    """ΣA and Σt_rst both follow t_c when t_uc is fixed and every request restores 1/3."""
+    """ΣA and Σt_rst both follow t_c when t_uc is fixed and every request restores 1/3: the
+    reduced fit drops c0 (tied to c1), then c3 (tied to c2)."""
     f = fitter()
     for c in np.geomspace(1024, 262_144, 30):
         f.add(synth.prefill("n0", [(4096, int(c), int(c) // 3)]))
-    assert f.fit().model.unidentified == ("c0", "c1", "c2", "c3", "d0", "d1", "d2")
+    model = f.fit().model
+    assert model.reduced == ("c0", "c3") and model.unidentified == ("d0", "d1", "d2")
+    assert model.prefill_ok and not model.decode_ok
+
+
+def test_one_batch_size_leaves_a_constant_decode_time(synth):
+    f = fitter()
+    for _ in range(20):
+        f.add(synth.decode("n0", 32))
+    report = f.fit()
+    assert report.model.reduced == ("d1", "d2") and report.model.decode_ok
+    assert report.model.t_d_iter(32) == pytest.approx(float(TRUTH.t_d_iter(32)), rel=0.05)
+    assert report.model.t_d_iter(1) == report.model.t_d_iter(64)  # nothing to tell them apart
+
+
+def test_a_phase_without_records_is_pooled_from_the_peers_that_identified_it(synth):
+    fits = {}
+    for node, scale in (("a", 1.0), ("b", 1.2), ("c", 1.4)):
+        f = NodeFitter(node, TRUTH.k_over_e, TRUTH.t_fwd)
+        truth = msgspec.structs.replace(TRUTH, d0=TRUTH.d0 * scale, c1=TRUTH.c1 * scale)
+        for r in synth.busy_node(node, 30.0, truth):
+            if node != "c" or r.prefill:  # c never decoded
+                f.add(r)
+        fits[node] = f.fit()
+    assert not fits["c"].model.decode_ok
+    a, b, c = pool([fits[n].model for n in "abc"])
+    assert (a, b) == (fits["a"].model, fits["b"].model)  # complete fits are left alone
+    assert c.decode_ok and c.pooled == ("d0", "d1", "d2") and c.stand_in
+    assert c.d0 == pytest.approx((a.d0 + b.d0) / 2) and c.c1 == fits["c"].model.c1
+    # A phase nobody identified stays unidentified.
+    lone = pool([fits["c"].model, msgspec.structs.replace(fits["c"].model, node="d")])
+    assert not any(m.decode_ok for m in lone)
 
 
 def test_no_decode_records_leave_the_decode_model_unusable(synth):
@@ -204,14 +245,6 @@ def test_no_decode_records_leave_the_decode_model_unusable(synth):
     assert report.decode_records == 0 and report.model.prefill_ok and not report.model.decode_ok
     assert report.problems == ["d0, d1, d2 unidentifiable: no decode iterations recorded"]
     assert np.isnan(report.decode_error)
-
-
-def test_one_batch_size_leaves_the_decode_coefficients_unidentified(synth):
-    f = fitter()
-    for _ in range(20):
-        f.add(synth.decode("n0", 32))
-    report = f.fit()
-    assert set(report.model.unidentified) >= {"d0", "d1", "d2"}
 
 
 def test_too_few_records(synth):

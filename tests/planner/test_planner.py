@@ -234,7 +234,10 @@ def test_warmup_is_collocated_until_t_learn():
     assert d.chosen is None and "warming up" in d.reason
 
 
-def test_a_degenerate_warmup_keeps_the_split_and_says_why():
+def test_a_degenerate_warmup_decides_with_stand_ins_and_says_which():
+    """One node's records tie c0 and c1, another node reported nothing: the planner still
+    decides (a reduced fit for the one, its peers' coefficients for the other), names the
+    stand-ins in its reason, and replaces them once the node's own records identify it."""
     cluster = make_cluster()
     p, synth = cluster.planner, cluster.synth
     for node, truth in cluster.truths.items():
@@ -246,14 +249,39 @@ def test_a_degenerate_warmup_keeps_the_split_and_says_why():
             for r in synth.busy_node(node, 60.0, truth):
                 p.observe_iteration(r)
     reports = {r.node: r for r in p.finish_warmup(60.0)}
-    assert {n for n, r in reports.items() if not r.usable} == {"n6", "n7"}
-    assert reports["n6"].model.unidentified == ("c0", "c1", "c3")
+    assert {n for n, r in reports.items() if not r.usable} == {"n7"}
+    assert reports["n6"].model.reduced == ("c0",)
+    assert p.models["n7"].pooled == ("c0", "c1", "c2", "c3", "d0", "d1", "d2")
     d = cluster.window([PUTNAM] * 10)
+    assert d.chosen is not None and d.candidates
+    # n7 decoded in the window, one batch size: its own reduced decode fit replaced the pool.
+    assert "stand-in models: n6: c0 fixed at 0 (reduced fit); n7: d1, d2 fixed at 0 (reduced " \
+           "fit) and c0, c1, c2, c3 pooled from peers" in d.reason
+    # n7 serves and reports from now on: its own fit replaces the pooled one at a window end.
+    for r in synth.busy_node("n7", 60.0, cluster.truths["n7"], start=d.at + 121):
+        p.observe_iteration(r)
+    for node in sorted(p.draining):
+        p.drained(node, d.at + 1)
+    d = cluster.window([PUTNAM] * 10)
+    assert p.fits["n7"].usable and not p.models["n7"].stand_in
+    assert "n7" not in d.reason.partition("stand-in models")[2]
+
+
+def test_a_phase_no_node_identified_keeps_the_split_and_says_why():
+    cluster = make_cluster()
+    p, synth = cluster.planner, cluster.synth
+    for node, truth in cluster.truths.items():
+        for r in synth.busy_node(node, 60.0, truth):
+            if r.prefill:  # nobody decoded in the warm-up
+                p.observe_iteration(r)
+    p.finish_warmup(60.0)
+    d = p.decide(p.window_end)  # a window in which nothing decoded either
     assert d.chosen is None and p.split.label == "6P3D"
-    # Both decode after warmup, so the window's records cannot repair their prefill fits.
-    assert "no usable model for n6: " in d.reason
-    assert "c0, c1 unidentifiable: columns 1, Σt_uc are linearly dependent" in d.reason
-    assert "n7: c0, c1, c2, c3 unidentifiable: no prefill iterations recorded" in d.reason
+    assert "no usable model, from its own records or its peers', for n0: d0, d1, d2 " \
+           "unidentifiable: no decode iterations recorded" in d.reason
+    # The decode nodes keep fitting in the phase they serve: the next window decides.
+    d = cluster.window([PUTNAM] * 10)
+    assert d.chosen is not None and "d1, d2 fixed at 0 (reduced fit)" in d.reason
 
 
 def test_a_node_without_decode_records_is_refitted_once_it_has_them():

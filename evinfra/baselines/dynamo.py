@@ -28,11 +28,13 @@ Sources, read for behaviour, not copied:
   capacity) exceeds 1.0, one fewer if all are below 0.6. With a fixed cluster the budget
   is full (``min = max`` = all nodes): the guard admits only an opposing rebalance, one
   pool up while the other goes down, i.e. one node switches phase.
-* The switch itself is a relaunch (the fake engine's ``switch = "relaunch"``, A.1). The
-  old worker shuts down gracefully (Dynamo docs "Graceful Shutdown": its endpoint leaves
-  discovery so routing stops, in-flight requests finish; with migration enabled none is
-  lost), then a worker of the other phase starts with an empty cache, 666-831 s later
-  (C.1).
+* The switch itself is a relaunch (the fake engine's ``switch = "relaunch"``, A.1): the
+  planner terminates the worker without waiting for its in-flight requests (routing stops,
+  its queued requests go elsewhere, the requests it runs fail: Dynamo's frontend migrates
+  them only with ``--migration-limit`` above its default 0, Dynamo docs "Request
+  Migration"), and a worker of the other phase is ready with an empty cache 666-831 s
+  after the decision (C.1 measures the switch time from the decision to the new worker
+  ready).
 
 Which node moves: the planner scales a pool by one replica and the orchestrator removes one;
 we take the last node of the shrinking pool by name, as a StatefulSet removes its highest

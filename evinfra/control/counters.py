@@ -25,8 +25,12 @@ class Counters(msgspec.Struct, gc=False):
     rerouted: int = 0
     """Routed again after a failure before its prefill started."""
     timeouts: int = 0
+    splits: int = 0
+    """Splits applied after the warm-up (the planner's or an operator's); the exit from the
+    collocated warm-up is not one."""
     switches: int = 0
-    """Splits applied (the exit from the collocated warm-up included)."""
+    """Node phase switches between prefill and decode, counted when the node serves its new
+    phase; a node leaving the collocated warm-up does not switch."""
     branches_expired: int = 0
     branches_inferred: int = 0
     requests_chained: int = 0

@@ -91,7 +91,7 @@ class Switching:
         self.router.set_models(self.planner.models.values())
         if split != self.planner.split:
             self.planner.switch_to(split, now)
-        self._apply(split, now, reason)
+        self._apply(split, now, reason, warmup_end=True)
         log.info("warmup_finished", usable=[r.node for r in reports if r.usable],
                  unusable={r.node: r.problems for r in reports if not r.usable})
 
@@ -130,10 +130,11 @@ class Switching:
 
     # -- switches --------------------------------------------------------------------------
 
-    def _apply(self, split: Split, now: float, reason: str) -> None:
+    def _apply(self, split: Split, now: float, reason: str, *, warmup_end: bool = False) -> None:
         """Switch the nodes whose phase differs (paper 4.2): stop routing their old phase,
         withdraw their queued requests, and switch each engine once it has drained."""
-        self.counters.switches += 1
+        if not warmup_end:
+            self.counters.splits += 1
         self.bus.publish(SplitChanged(now, list(split.prefill), list(split.decode), reason))
         log.info("split_change", split=split.label, reason=reason)
         for node in self.nodes:
@@ -141,24 +142,26 @@ class Switching:
             if self.router.phase(node) is phase and self.router.draining(node) is None:
                 continue
             collocated = self.router.phase(node) is Phase.COLLOCATED
-            for rid in self.router.begin_switch(node, phase):
+            at_once = collocated or self.relaunch
+            for rid in self.router.begin_switch(node, phase, drain=not at_once):
                 self.engines[node].withdraw(rid)
-            if collocated:
-                # Serving both phases already: the engine finishes its other-phase work and
-                # switches by itself; the router routes it by its new phase at once.
+            if at_once:
+                # Collocated: serving both phases already, the engine finishes its
+                # other-phase work and switches by itself, routed by its new phase at once.
+                # Relaunch: Dynamo terminates the worker without waiting for its in-flight
+                # requests (paper A.1); its queued ones were withdrawn just now.
                 self.engines[node].switch_phase(phase)
-            # Otherwise, in place or by relaunch (the engine's), the node first finishes its
-            # running requests: a relaunch is Dynamo's graceful shutdown, routing stopped and
-            # in-flight work completed before the worker exits.
+            # Otherwise (in place) the node first finishes its running requests.
         self.check_drains()
 
     def check_drains(self) -> None:
-        """Tell each drained node's engine to switch. A relaunch drops the node's KV: the
-        decode side must have read its prefills first."""
-        for node, phase in self.router.take_drained(self.relaunch):
+        """Tell each drained node's engine to switch (in place: it keeps its KV)."""
+        for node, phase in self.router.take_drained():
             self.engines[node].switch_phase(phase)
 
     def switched(self, ev: PhaseSwitched) -> None:
+        if self.router.draining(ev.node) is not None:  # (leaving the warm-up drains nothing)
+            self.counters.switches += 1
         self.router.switched(ev.node, Phase(ev.phase))
         self.planner.drained(ev.node, self.clock.now())
         self.engines.flush_hints()

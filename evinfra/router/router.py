@@ -705,9 +705,13 @@ class Router:
 
     # -- phase switches (paper 4.2) --------------------------------------------------------
 
-    def begin_switch(self, node: NodeId, phase: Phase) -> list[RequestId]:
+    def begin_switch(self, node: NodeId, phase: Phase, *, drain: bool = True
+                     ) -> list[RequestId]:
         """Stop routing ``node``'s old phase; return its queued requests whose prefill has not
         started, for the caller to withdraw (they are routed again on ``withdrawn``).
+        ``drain=False``: the caller switches the engine at once, without waiting for its
+        running requests (a Dynamo relaunch terminates the worker, paper A.1), so
+        :meth:`take_drained` never names the node.
 
         A node leaving the collocated warm-up serves both phases already, so it takes its
         new phase at once and nothing is withdrawn."""
@@ -717,7 +721,7 @@ class Router:
             n.phase = phase
             self.directory.switch_phase(node, phase)
             return []
-        n.draining, n.told = phase, False
+        n.draining, n.told = phase, not drain
         return self._unstarted(n)
 
     def withdrawn(self, request: RequestId, node: NodeId, now: float

@@ -59,8 +59,11 @@ def test_a_decode_node_finishes_its_decodes_then_serves_prefill():
     before = svc.status()["directory"]["nodes"]["n2"]
     assert before["positive_count_blocks"] > 0
 
+    # Leaving the collocated warm-up moved every node to a phase, and none of that counts.
+    assert (sim.counters()["splits"], sim.counters()["switches"]) == (0, 0)
     t_force = sim.now
     split = svc.force_split(["n0", "n1", "n2"])
+    assert (sim.counters()["splits"], sim.counters()["switches"]) == (1, 0)  # not served yet
     assert (split.prefill, split.decode) == (("n0", "n1", "n2"), ("n3",))
     st = svc.status()
     assert st["split"]["switching"] == {"n2": "prefill"}
@@ -89,6 +92,7 @@ def test_a_decode_node_finishes_its_decodes_then_serves_prefill():
     st = svc.status()
     assert (st["split"]["prefill"], st["split"]["decode"], st["split"]["label"]) == (
         ["n0", "n1", "n2"], ["n3"], "3P1D")
+    assert (st["counters"]["splits"], st["counters"]["switches"]) == (1, 1)
     after = st["directory"]["nodes"]["n2"]
     # D->P resets the node's counts (E.2 line 14); the in-place switch keeps its KV.
     assert after["phase"] == "prefill" and after["positive_count_blocks"] == 0
@@ -168,4 +172,4 @@ def test_force_split_refuses_a_split_the_cluster_cannot_take():
             svc.force_split(bad)
     st = svc.status()
     assert st["split"]["label"] == "2P2D" and st["split"]["switching"] == {}
-    assert st["counters"]["switches"] == 1  # the warm-up's end only
+    assert (st["counters"]["splits"], st["counters"]["switches"]) == (0, 0)  # (the warm-up's end)

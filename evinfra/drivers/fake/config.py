@@ -91,12 +91,13 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reserved (the bootstrap handshake). Off: the decode node reserves after the prefill."""
     switch: Literal["in_place", "relaunch"] = "in_place"
     """``in_place``: the symmetric engine finishes its running requests and switches, its
-    KV kept (4.1). ``relaunch``: once the control plane has drained the node (Dynamo's
-    graceful shutdown), the worker exits, its KV is lost, and the node serves again only
-    when the new worker is up (Dynamo, A.1). Leaving the collocated start is never a relaunch."""
+    KV kept (4.1). ``relaunch``: the worker is terminated at the decision without waiting for
+    its in-flight requests, its KV is lost, and the node serves again only when the new
+    worker is up (Dynamo, A.1). Leaving the collocated start is never a relaunch."""
     relaunch_s: tuple[NonNegFloat, NonNegFloat] = (666.0, 831.0)
-    """A relaunch lasts a uniform draw from this range, seeded per node (paper C.1, Table
-    C.1: Dynamo's mean switch time per setting ranges from 666 s to 831 s)."""
+    """A relaunch lasts a uniform draw from this range from the decision, seeded per node
+    (paper C.1, Table C.1: Dynamo's mean switch time per setting, from the planner decision
+    to the relaunched engine ready, ranges from 666 s to 831 s)."""
 
     # -- behaviour --------------------------------------------------------------------------
     heartbeat_s: PosFloat = 1.0

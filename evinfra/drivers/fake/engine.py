@@ -341,10 +341,12 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._kick()
 
     def _relaunch(self, phase: Phase) -> None:
-        """Dynamo's switch (paper A.1): the worker exits, its KV dropped
-        (``AllBlocksCleared``), and serves ``phase`` once the new worker is up. The control
-        plane drains the node first (graceful shutdown); a request still on it fails (the
-        peers' side is settled by the control plane's aborts)."""
+        """Dynamo's switch (paper A.1): the worker is terminated without waiting for its
+        in-flight requests, its KV dropped (``AllBlocksCleared``), and serves ``phase`` once
+        the new worker is up, ``relaunch_s`` after the decision (Table C.1 measures from the
+        decision to the new worker ready). A request still on it fails, as Dynamo's frontend
+        does with request migration off (its default, ``--migration-limit 0``); the peers'
+        side is settled by the control plane's aborts."""
         now = self.clock.now()
         for request in list(self._prefills) + list(self._decodes):
             self.cluster.forget(request)

@@ -261,6 +261,8 @@ class Lifecycle:
         if f is None or f.prefill != ev.node:
             return
         f.cached, f.fetched, f.computed = ev.cached, ev.fetched, ev.computed
+        if ev.fetched and ev.fetch_s > 0:
+            self.router.observe_fetch(ev.fetched, ev.fetch_s)
         if ev.prompt_logprobs is not None:
             f.sink.prompt_logprobs(ev.prompt_logprobs)
         self.router.prefill_done(ev.request, ev.node)

@@ -263,6 +263,9 @@ class PrefillDone(msgspec.Struct, frozen=True, gc=False):
     fetched: int
     computed: int
     prompt_logprobs: TokenLogprobs | None = None
+    fetch_s: float = 0.0
+    """Seconds the peer fetch of the ``fetched`` tokens took, from its start to the KV in
+    this node's host memory (0: no fetch, or not measured): the router fits τ to these."""
 
 
 class TokensOut(msgspec.Struct, frozen=True, gc=False):

@@ -44,7 +44,7 @@ from evinfra.directory import Directory, PrefixMatch
 from evinfra.planner.itermodel import NodeModel
 from evinfra.router.strategy import (DecodeOption, DecodeStrategy, FewestRequests, Hold,
                                      PrefillStrategy, TTFTStrategy)
-from evinfra.router.ttft import PrefillQueue, Prediction, TTFTConfig, estimate, predict
+from evinfra.router.ttft import FetchTime, PrefillQueue, Prediction, TTFTConfig, estimate, predict
 
 __all__ = ["DecodeBinding", "Held", "Refusal", "Route", "Routing", "Router",
            "RouterConfig"]
@@ -279,7 +279,7 @@ class _View:
             p = self._full[node] = predict(
                 node, n.queue, self._router.coefficients(node), self._router._t_rem(n, self.now),
                 self.t_in, 0, 0, 0, self.own(node) * self._router.directory.page_size,
-                self._router.config.ttft)
+                self._router.config.ttft, self._router.tau)
         return p
 
     def own(self, node: NodeId) -> int:
@@ -318,6 +318,8 @@ class Router:
         p = config.prior
         self._prior = (p.c0, p.c1, p.c2, p.c3)
         self._coef: dict[NodeId, tuple[float, float, float, float]] = {}
+        self.tau = FetchTime(config.ttft)
+        """τ(x) of E.3 line 9, fitted to the fetches the engines report."""
         self._routed = 0
         self._eligible: list[_Node] | None = None
 
@@ -333,6 +335,11 @@ class Router:
 
     def coefficients(self, node: NodeId) -> tuple[float, float, float, float]:
         return self._coef.get(node, self._prior)
+
+    def observe_fetch(self, tokens: int, seconds: float) -> None:
+        """An engine fetched ``tokens`` from peers in ``seconds`` (``PrefillDone``): τ is
+        refitted, and every node's prediction uses the new τ from the next route on."""
+        self.tau.observe(tokens, seconds)
 
     def on_state(self, state: NodeState) -> None:
         """A node's report at an iteration launch: launched chunks leave ``Q_n``, and the
@@ -462,7 +469,7 @@ class Router:
         cap = t_in - 1
         cfg = self.config.ttft
         B, fmin, kappa = cfg.chunk_tokens, cfg.fetch_min_tokens, cfg.kappa
-        fbase, fper, max_age = cfg.fetch_base_s, cfg.fetch_s_per_token, cfg.state_max_age_s
+        fbase, fper, max_age = self.tau.base, self.tau.per_token, cfg.state_max_age_s
         pool = self.pool
         union = min(match.union * page, cap) if pool else 0
         own_all, l1_all = match.own, match.own_l1
@@ -831,7 +838,7 @@ class Router:
         out = []
         for n in self._nodes.values():
             wait = estimate(n.queue, self.coefficients(n.name), self._t_rem(n, now), 0, 0, 0, 0,
-                            self.config.ttft)[1]
+                            self.config.ttft, self.tau)[1]
             need = sum(self._reqs[q].need for q in n.decoding if q in self._reqs)
             out.append(NodeLoad(n.name, n.phase.value, n.queue.U, wait, need,
                                 n.state.l1_capacity if n.state is not None else None,

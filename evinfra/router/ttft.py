@@ -26,7 +26,7 @@ import msgspec
 
 from evinfra.core.types import NonNegFloat, NonNegInt, PosFloat, PosInt, RequestId
 
-__all__ = ["PrefillQueue", "Prediction", "TTFTConfig", "estimate", "predict", "tau"]
+__all__ = ["FetchTime", "PrefillQueue", "Prediction", "TTFTConfig", "estimate", "predict"]
 
 
 class TTFTConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -35,7 +35,7 @@ class TTFTConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     chunk_tokens: PosInt = 8192
     """Chunked-prefill budget per iteration (E.3: 8,192 tokens)."""
     fetch_base_s: NonNegFloat = 0.45
-    """τ(x) = 0.45 s + 1 µs·x (E.3)."""
+    """τ(x) = 0.45 s + 1 µs·x (E.3): the prior of :class:`FetchTime`'s online fit."""
     fetch_s_per_token: NonNegFloat = 1e-6
     fetch_min_tokens: NonNegInt = 512
     """No fetch below 512 tokens (E.3): such prefixes are recomputed."""
@@ -49,11 +49,62 @@ class TTFTConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     """A node's reported state is used only if at most 5 s old (E.3)."""
 
 
-def tau(x: float, cfg: TTFTConfig) -> float:
-    """Fetch time τ(x) of ``x`` tokens from a peer's host memory (E.3)."""
-    if x < cfg.fetch_min_tokens or x <= 0:
-        return 0.0
-    return cfg.fetch_base_s + cfg.fetch_s_per_token * x
+class FetchTime:
+    """τ(x), the time to fetch ``x`` tokens from peers' host memory: ``base + per_token·x``
+    for ``x ≥ fetch_min_tokens``, else 0 (recomputed). E.3 gives 0.45 s + 1 µs·x; that line
+    is only the prior here, and the fetches the engines report (``PrefillDone.fetch_s``)
+    refit it after each one.
+
+    The fit is least squares on relative residuals, ``(base + per_token·x)/y − 1`` (a
+    fetch's time varies by a factor, from milliseconds to seconds, as the planner's Eq. 1-2
+    rows do), with base and per_token non-negative. The prior enters as two such rows on
+    E.3's line, at ``fetch_min_tokens`` and 64 times that, so a few reported fetches
+    outweigh it and it keeps the fit defined before any.
+    """
+
+    __slots__ = ("min_tokens", "base", "per_token", "fetches", "_gram", "_moment")
+
+    _KILO = 1e-3  # x in thousands of tokens keeps the 2x2 system well scaled
+
+    def __init__(self, cfg: TTFTConfig) -> None:
+        self.min_tokens = cfg.fetch_min_tokens
+        self.base, self.per_token = cfg.fetch_base_s, cfg.fetch_s_per_token
+        self.fetches = 0
+        self._gram = [0.0, 0.0, 0.0]  # Σ 1/y², Σ x/y², Σ x²/y²
+        self._moment = [0.0, 0.0]  # Σ 1/y, Σ x/y
+        for x in (max(self.min_tokens, 1), 64 * max(self.min_tokens, 1)):
+            y = self.base + self.per_token * x
+            if y > 0:
+                self._add(x, y)
+
+    def __call__(self, x: float) -> float:
+        if x < self.min_tokens or x <= 0:
+            return 0.0
+        return self.base + self.per_token * x
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A fetch of ``tokens`` took ``seconds``; refit."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        self.fetches += 1
+        self._add(tokens, seconds)
+        g11, g1x, gxx = self._gram
+        m1, mx = self._moment
+        det = g11 * gxx - g1x * g1x
+        a = (m1 * gxx - mx * g1x) / det if det > 0 else -1.0
+        b = (g11 * mx - g1x * m1) / det if det > 0 else -1.0
+        if a < 0 or b < 0:  # the best fit on a face of the non-negative quadrant
+            a, b = (m1 / g11, 0.0) if m1 * m1 / g11 >= mx * mx / gxx else (0.0, mx / gxx)
+        self.base, self.per_token = a, b * self._KILO
+
+    def _add(self, x: float, y: float) -> None:
+        k = x * self._KILO
+        w = 1.0 / (y * y)
+        self._gram[0] += w
+        self._gram[1] += k * w
+        self._gram[2] += k * k * w
+        self._moment[0] += 1.0 / y
+        self._moment[1] += k / y
 
 
 class _Fenwick:
@@ -221,7 +272,8 @@ class Prediction(msgspec.Struct, frozen=True, gc=False):
 
 
 def estimate(queue: PrefillQueue, c: tuple[float, float, float, float], t_rem: float,
-             t_uc: int, t_c: int, t_rst: int, x: int, cfg: TTFTConfig) -> tuple[float, float]:
+             t_uc: int, t_c: int, t_rst: int, x: int, cfg: TTFTConfig, tau: FetchTime
+             ) -> tuple[float, float]:
     """``(T̂_n, Ŵ_n)`` for a request with ``t_uc`` uncached and ``t_c`` cached tokens,
     ``t_rst`` restored from host (own host hits plus fetched), ``x`` fetched from peers, on a
     node with coefficients ``c = (c0, c1, c2, c3)`` of Eq. 1 and queue ``queue``."""
@@ -234,12 +286,12 @@ def estimate(queue: PrefillQueue, c: tuple[float, float, float, float], t_rem: f
     A = t_uc * t_c + t_uc * (t_uc + 1) // 2
     iters = -(-(U + t_uc) // B)
     done = t_rem + c0 * iters + c1 * (U + t_uc) + c2 * (queue.SA + A) + c3 * (queue.SR + t_rst)
-    fetch = cfg.fetch_base_s + cfg.fetch_s_per_token * x if x >= cfg.fetch_min_tokens and x > 0 else 0.0
-    return done + max(0.0, fetch - w_hat) + cfg.kappa * x, w_hat
+    return done + max(0.0, tau(x) - w_hat) + cfg.kappa * x, w_hat
 
 
 def predict(node: str, queue: PrefillQueue, c: tuple[float, float, float, float], t_rem: float,
-            t_uc: int, t_c: int, t_rst: int, x: int, own: int, cfg: TTFTConfig) -> Prediction:
+            t_uc: int, t_c: int, t_rst: int, x: int, own: int, cfg: TTFTConfig,
+            tau: FetchTime) -> Prediction:
     """:func:`estimate` as a :class:`Prediction` that explains itself."""
-    t_hat, w_hat = estimate(queue, c, t_rem, t_uc, t_c, t_rst, x, cfg)
+    t_hat, w_hat = estimate(queue, c, t_rem, t_uc, t_c, t_rst, x, cfg, tau)
     return Prediction(node, t_hat, w_hat, t_uc, t_c, t_rst, x, own)

@@ -304,7 +304,7 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
             assert (t_c, t_uc) == (own + x, tokens.size - own - x)
             assert t_rst == own - min(match.own_l1[i] * PAGE, own) + x
             assert (t_hat, w_hat) == estimate(n.queue, r.coefficients(n.name), r._t_rem(n, now),
-                                              t_uc, t_c, t_rst, x, cfg)
+                                              t_uc, t_c, t_rst, x, cfg, r.tau)
         view = _View(r, routed(), eligible, match, now)
         assert view.t_hats() == [e[:2] for e in got]
         assert [view.predict(n).t_hat for n in view.nodes] == [e[0] for e in got]

@@ -45,7 +45,7 @@ class PrefillSide:
         if rec.fetch and mode == "queued":
             tokens = sum(len(run.blocks) for run in order.fetch) * page
             delay = self.config.fetch_latency + tokens * self.config.fetch_s_per_token
-            rec.fetching = True
+            rec.fetching, rec.fetch_s = True, delay
             rec.timer = self._at(now + delay, self._fetch_done, rec)
         self._prefills[rec.request] = self._queue[rec.request] = rec
         self._dirty |= rec.ready
@@ -99,8 +99,8 @@ class PrefillSide:
             # iteration that consumes it (paper D.6), once.
             added = self._pull(rec, now)
             if added:
-                rec.load_s = (self.config.fetch_latency
-                              + added * page * self.config.fetch_s_per_token)
+                rec.load_s = rec.fetch_s = (self.config.fetch_latency
+                                            + added * page * self.config.fetch_s_per_token)
         # Other requests may have stored more of it meanwhile. The prompt's log-probabilities
         # take its whole computation (SGLang reuses no prefix for them).
         held = 0 if rec.order.sampling.prompt_logprobs else c.prefix(path)
@@ -187,9 +187,10 @@ class PrefillSide:
             s = rec.order.sampling
             prompt = (self.cluster.outputs.logprobs(rec.tokens[1:], s.logprobs)
                       if s.prompt_logprobs and s.logprobs is not None else None)
-            self._out.append(PrefillDone(rec.request, self.node, now, rec.cached,
-                                         min(rec.fetched * page, rec.cached),
-                                         rec.n_in - rec.cached, prompt))
+            fetched = min(rec.fetched * page, rec.cached)
+            self._out.append(PrefillDone(rec.request, self.node, now, rec.cached, fetched,
+                                         rec.n_in - rec.cached, prompt,
+                                         rec.fetch_s if fetched else 0.0))
             self.cluster.prefill_done(rec.request, self.node)
         self._busy = None
         self._schedule()

@@ -27,7 +27,7 @@ class PrefillRecord:
 
     __slots__ = ("order", "request", "tokens", "path", "n_in", "fetch", "fetching", "awaiting",
                  "started", "aborted", "locked", "reserved", "cached", "fetched", "restored",
-                 "done", "load_s", "timer")
+                 "done", "load_s", "fetch_s", "timer")
 
     def __init__(self, order: PrefillOrder, page: int, fetch: bool, awaiting: bool) -> None:
         self.order = order
@@ -47,6 +47,7 @@ class PrefillRecord:
         self.restored = 0  # blocks loaded into L1 for it: fetched plus own host copies (t_rst)
         self.done = 0  # input tokens whose KV exists
         self.load_s = 0.0  # a fetch at prefill start: seconds it adds to the first chunk
+        self.fetch_s = 0.0  # seconds the peer fetch took, reported in PrefillDone
         self.timer: Timer | None = None
 
     @property

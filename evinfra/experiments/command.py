@@ -60,11 +60,21 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     out = Path(args.out or f"runs/{args.name}{'-quick' if args.quick else ''}")
     plans = experiment.plans(config, scale, args.seed)
-    if args.only is not None and not any(fnmatch.fnmatch(p.key, args.only) for p in plans):
-        raise ConfigError(f"--only {args.only!r} matches no run of {args.name}; its runs: "
-                          f"{', '.join(p.key for p in plans)}")
+    # Runs that depend on others' outcomes (at the best static split a sweep chooses) come
+    # from ``followups`` once those are in: a second stage.
+    followups = getattr(experiment, "followups", None)
     saved = out / "runs"
     runs = _earlier(saved, plans)
+    if followups is not None:
+        plans += followups(config, scale, args.seed, runs)
+        runs = _earlier(saved, plans)
+
+    def matches(ps: list[RunPlan]) -> bool:
+        return any(fnmatch.fnmatch(p.key, args.only) for p in ps)
+
+    if args.only is not None and not matches(plans) and followups is None:
+        raise ConfigError(f"--only {args.only!r} matches no run of {args.name}; its runs: "
+                          f"{', '.join(p.key for p in plans)}")
     todo = [p for p in plans if p.key not in runs
             and (args.only is None or fnmatch.fnmatch(p.key, args.only))]
     print(f"{experiment.TITLE}\n{scale.describe()}\n{len(plans)} runs: {len(runs)} done "
@@ -80,6 +90,21 @@ def run(args: argparse.Namespace) -> int:
               f"({o.wall_s:.0f} s wall)", file=sys.stderr, flush=True)
 
     runs.update(run_plans(todo, jobs=args.jobs, progress=progress))
+    if followups is not None:
+        known = {p.key for p in plans}
+        later = [p for p in followups(config, scale, args.seed, runs) if p.key not in known]
+        if later:
+            runs.update(_earlier(saved, later))
+            todo = [p for p in later if p.key not in runs
+                    and (args.only is None or fnmatch.fnmatch(p.key, args.only))]
+            print(f"then {len(later)} runs that follow from those: {len(todo)} to play",
+                  flush=True)
+            runs.update(run_plans(todo, jobs=args.jobs, progress=progress))
+            plans += later
+        if args.only is not None and not matches(plans):
+            raise ConfigError(f"--only {args.only!r} matches no run of {args.name} (runs "
+                              "that follow from a sweep exist once it has played); its "
+                              f"runs: {', '.join(p.key for p in plans)}")
     missing = [p.key for p in plans if p.key not in runs]
     if missing:
         print(f"not played (left out of the tables): {', '.join(missing)}", flush=True)

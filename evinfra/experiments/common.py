@@ -11,7 +11,7 @@ from evinfra.sim.harness import RunSpec
 from evinfra.sim.sweep import fixed_split
 from evinfra.workloads import Phase
 
-__all__ = ["best_static", "closed", "label", "system", "sweep"]
+__all__ = ["best_prefill", "best_static", "closed", "label", "system", "sweep"]
 
 
 def system(config: Config, policy: str, *, prefill: int | None = None, fixed: bool = False,
@@ -55,3 +55,14 @@ def best_static(outcomes: dict[str, RunOutcome], prefix: str) -> RunOutcome:
     """The sweep's split with the highest throughput (ties: lower mean E2E), paper 6.1."""
     runs = [o for k, o in outcomes.items() if k.startswith(f"{prefix}-static-")]
     return max(runs, key=lambda o: (o.summary.throughput, -o.summary.e2e.mean))
+
+
+def best_prefill(outcomes: dict[str, RunOutcome], swept: list[RunPlan]) -> int | None:
+    """The prefill count of the best split of the sweep ``swept`` (:func:`best_static`'s
+    rule), once every run of it has an outcome; None before. Experiments that compare with
+    "the best static split" run their comparisons at this split (their ``followups``)."""
+    if not swept or any(p.key not in outcomes for p in swept):
+        return None
+    best = max(swept, key=lambda p: (outcomes[p.key].summary.throughput,
+                                     -outcomes[p.key].summary.e2e.mean))
+    return best.config.cluster.initial_prefill

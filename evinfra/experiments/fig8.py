@@ -2,9 +2,10 @@
 component, and how fast the iteration-time models converge, on CC with 126 agents.
 
 (a) evinfra from 3P6D, 4P5D, 5P4D and 6P3D: mean E2E (paper: within 1.8 %, all converging to
-4P5D); (b) throughput at 4P5D, relative to SGLang PD at 4P5D: evinfra without adaptation
-(paper 1.37x), with it (0.3 % less than without), and evinfra without adaptation minus one
-component each: LRU instead of counts, the pool loaded at prefill start instead of while
+4P5D); (b) throughput at the best static split (the paper's: 4P5D; here the one this
+simulator's sweep of SGLang PD chooses, the runs at it following the sweep), relative to
+SGLang PD there: evinfra without adaptation (paper 1.37x), with it, from that split (0.3 %
+less than without), and evinfra without adaptation minus one component each: LRU instead of counts, the pool loaded at prefill start instead of while
 queued (D.6: async fetching alone 1.12x), cache-aware instead of Eq. 7 routing (D.5);
 (c) mean error of the models fitted on the first t seconds of the collocated warm-up,
 against the iterations after it (paper: low within a minute); (d) the lost KV reuse of the
@@ -19,38 +20,58 @@ import math
 import msgspec
 
 from evinfra.config import Config
-from evinfra.experiments.common import closed, label, system
+from evinfra.experiments.common import best_prefill, best_static, closed, label, sweep, system
 from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 from evinfra.workloads.summary import WAIT_LABELS, WAIT_NAMES, Summary
 
-__all__ = ["TITLE", "plans", "report"]
+__all__ = ["TITLE", "followups", "plans", "report"]
 
 TITLE = "Figure 8: initial split, component ablation, model convergence on CC with 126 agents"
 AGENTS = 126
 INITIAL = (3, 4, 5, 6)
-ABLATIONS = (("evinfra, fixed 4P5D", {}), ("- counts (LRU)", {"eviction": "lru"}),
+ABLATIONS = (("evinfra, fixed", {}), ("- counts (LRU)", {"eviction": "lru"}),
              ("- fetch while queued", {"peer_fetch": "prefill-start"}),
              ("- Eq. 7 routing (cache-aware)", {"router": "cache-aware"}))
+"""evinfra without adaptation at the best static split, then minus one component each."""
 LEARN = (5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+SWEEP = "cc"
+
+
+def _sweep(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
+    agents = {"cc": scale.count(AGENTS)}
+    return sweep(SWEEP, config, scale,
+                 lambda key, name, cfg: closed(key, name, cfg, scale, seed, agents))
 
 
 def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
     agents = {"cc": scale.count(AGENTS)}
     out = [closed(f"initial-{p}P", f"evinfra from {label(config, p)}",
                   system(config, "evinfra", prefill=p), scale, seed, agents) for p in INITIAL]
-    out.append(closed("static-4P", "SGLang PD 4P5D",
-                      system(config, "static-sglang", prefill=4, fixed=True), scale, seed,
-                      agents))
-    for i, (name, parts) in enumerate(ABLATIONS):
-        out.append(closed(f"ablation-{i}", name,
-                          system(config, "evinfra-fixed", prefill=4, fixed=True, **parts),
-                          scale, seed, agents))
     t_learn = scale.configure(config).planner.t_learn
     learn = [t for t in LEARN if t < t_learn] + [t_learn]
-    return [msgspec.structs.replace(p, fits_at=learn) if p.key == "initial-4P" else p
-            for p in out]
+    out = [msgspec.structs.replace(p, fits_at=learn) if p.key == "initial-4P" else p
+           for p in out]
+    return out + _sweep(config, scale, seed)
+
+
+def followups(config: Config, scale: Scale, seed: int,
+              runs: dict[str, RunOutcome]) -> list[RunPlan]:
+    """The ablations at the sweep's best split, and evinfra adapting from it when it is not
+    one of the initial splits of (a) (none until the sweep is in)."""
+    best = best_prefill(runs, _sweep(config, scale, seed))
+    if best is None:
+        return []
+    agents = {"cc": scale.count(AGENTS)}
+    at = label(config, best)
+    out = [closed(f"ablation-{i}", f"{name} {at}" if not parts else name,
+                  system(config, "evinfra-fixed", prefill=best, fixed=True, **parts),
+                  scale, seed, agents) for i, (name, parts) in enumerate(ABLATIONS)]
+    if best not in INITIAL:
+        out.append(closed(f"initial-{best}P", f"evinfra from {at}",
+                          system(config, "evinfra", prefill=best), scale, seed, agents))
+    return out
 
 
 def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: int):
@@ -59,12 +80,15 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
     spread = (max(e2e) / min(e2e) - 1) * 100 if e2e and min(e2e) > 0 else math.nan
     a = [[o.system, o.summary.e2e.mean, o.summary.throughput, o.control.final_split,
           o.control.switches] for o in initial]
-    static = runs.get("static-4P")
+    swept = any(k.startswith(f"{SWEEP}-static-") for k in runs)
+    static = best_static(runs, SWEEP) if swept else None
+    at = static.initial_split if static else "the best static split"
     base = static.summary.throughput if static else math.nan
     b_runs = ([static] if static else []) + [runs[f"ablation-{i}"] for i in range(len(ABLATIONS))
                                              if f"ablation-{i}" in runs]
-    if "initial-4P" in runs:
-        b_runs.insert(2 if static else 1, runs["initial-4P"])
+    adapting = runs.get(f"initial-{at.partition('P')[0]}P") if static else None
+    if adapting is not None:
+        b_runs.insert(2 if static else 1, adapting)
     b = [[o.system, o.summary.throughput, o.summary.throughput / base if base else None,
           100 * o.summary.lost_kv_reuse, o.summary.ttft.mean] for o in b_runs]
     d = [[o.system, *(_lost_after(o.summary, w) for w in WAIT_LABELS)] for o in b_runs]
@@ -77,9 +101,10 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                                                    "switches"], rows=a,
               note=f"Mean E2E varies by {spread:.3g} % across the initial splits (paper: at "
                    "most 1.8 %, every run converging to 4P5D)."),
-        Table(title="(b) Components at 4P5D", columns=["system", "throughput (req/s)",
-                                                        "× SGLang PD 4P5D", "lost KV reuse (%)",
-                                                        "mean TTFT (s)"], rows=b,
+        Table(title=f"(b) Components at {at} (the best static split of the sweep; the "
+                    "paper's: 4P5D)",
+              columns=["system", "throughput (req/s)", "× SGLang PD there",
+                       "lost KV reuse (%)", "mean TTFT (s)"], rows=b,
               note="Paper: evinfra without adaptation 1.37x SGLang PD at 4P5D; adaptation "
                    "costs 0.3 %; async fetching alone 1.12x (D.6); cache-aware routing loses "
                    "2.4 % of the reuse against 0.7 % (D.5)."),
@@ -87,7 +112,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
               columns=["learning time (s)", "prefill error (%)", "decode error (%)"], rows=c,
               note="Models fitted on the collocated iterations before each time, evaluated "
                    "on every iteration after the warm-up."),
-        Table(title="(d) Lost KV reuse (%) by the wait before the request, at 4P5D",
+        Table(title=f"(d) Lost KV reuse (%) by the wait before the request, at {at}",
               columns=["system", *WAIT_NAMES.values()], rows=d,
               note="Of the tokens an unlimited shared cache would have reused for the "
                    "requests sent after each wait (since their branch's previous answer), the "
@@ -99,7 +124,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
         ("fig8a.png", lambda p: bars(p, "(a) mean E2E by initial split",
                                      [o.system.split()[-1] for o in initial],
                                      {"mean E2E": e2e}, "seconds")),
-        ("fig8b.png", lambda p: bars(p, "(b) throughput at 4P5D", [r[0] for r in b],
+        ("fig8b.png", lambda p: bars(p, f"(b) throughput at {at}", [r[0] for r in b],
                                      {"req/s": [r[1] for r in b]}, "req/s")),
         ("fig8c.png", lambda p: _convergence(p, conv)),
     ]

@@ -23,15 +23,54 @@ def test_ratios_read_above_one_as_evinfra_better() -> None:
     assert lower(0.0, 1.0) is None and higher(1.0, 0.0) is None
 
 
+@pytest.fixture(scope="module")
+def template():
+    """One micro outcome, to stand for a sweep's outcomes with made-up throughputs."""
+    config = load_config("etc/cluster.toml")
+    plan = EXPERIMENTS["fig2a"].plans(config, msgspec.structs.replace(MICRO, sweep=(2,)), 1)[0]
+    return run_plans([plan], jobs=1)[plan.key]
+
+
+def swept(plans, template, best: int) -> dict:
+    """Outcomes for the sweep runs among ``plans`` (keys ``*-static-{p}P``), ``best`` ahead."""
+    out = {}
+    for p in plans:
+        if "-static-" in p.key:
+            prefill = p.config.cluster.initial_prefill
+            out[p.key] = msgspec.structs.replace(
+                template, key=p.key, system=p.system, initial_split=f"{prefill}P{9 - prefill}D",
+                summary=msgspec.structs.replace(template.summary,
+                                                throughput=10.0 - abs(prefill - best)))
+    return out
+
+
 @pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a"}))
-def test_every_experiment_plans_its_paper_systems(name) -> None:
+def test_every_experiment_plans_its_paper_systems(name, template) -> None:
     config = load_config("etc/cluster.toml")
     plans = EXPERIMENTS[name].plans(config, QUICK, 1)
+    followups = getattr(EXPERIMENTS[name], "followups", None)
+    if followups is not None:
+        assert followups(config, QUICK, 1, {}) == []  # nothing until the sweep is in
+        plans += followups(config, QUICK, 1, swept(plans, template, 4))
     keys = [p.key for p in plans]
     assert len(set(keys)) == len(keys)
     policies = {p.config.policy.name for p in plans}
     assert "evinfra" in policies or "evinfra-fixed" in policies
     assert policies - {"evinfra", "evinfra-fixed"}  # at least one baseline beside it
+
+
+@pytest.mark.parametrize("name", ["fig3", "fig8", "tableD2", "tableD4"])
+def test_comparisons_with_the_best_static_split_run_at_the_sweeps_choice(name, template):
+    """Not at the paper's 4P5D: at whichever split this simulator's sweep finds best (a
+    control: a sweep that prefers 6P moves them there)."""
+    config = load_config("etc/cluster.toml")
+    experiment = EXPERIMENTS[name]
+    plans = experiment.plans(config, QUICK, 1)
+    assert {p.config.cluster.initial_prefill for p in plans if "-static-" in p.key} == {2, 4, 6}
+    for best in (2, 6):
+        later = experiment.followups(config, QUICK, 1, swept(plans, template, best))
+        fixed = [p for p in later if not p.config.planner.adapt]
+        assert fixed and {p.config.cluster.initial_prefill for p in later} == {best}
 
 
 def test_fig6_micro_writes_tables_with_ratios_and_a_plot(tmp_path) -> None:
@@ -60,12 +99,18 @@ def test_outcomes_do_not_depend_on_parallelism(tmp_path) -> None:
 def test_the_command_saves_each_run_and_resumes(tmp_path, capsys) -> None:
     out = tmp_path / "d4"
     args = ["experiment", "tableD4", "--quick", "--out", str(out), "--jobs", "1"]
-    assert main(args + ["--only", "thunder*"]) == 0
+    # The systems run at the best static split: they exist once the sweep has played.
+    assert main(args + ["--only", "thunder*"]) == 2
+    assert "matches no run of tableD4 (runs that follow" in capsys.readouterr().err
+    assert main(args + ["--only", "cc-static-*"]) == 0
     first = capsys.readouterr().out
-    assert "1 to play" in first and "not played" in first
-    assert main(args) == 0
+    assert "3 to play" in first and "then 2 runs that follow from those: 0 to play" in first
+    assert main(args + ["--only", "thunder*"]) == 0
     second = capsys.readouterr().out
-    assert "1 done earlier, 2 to play" in second and "not played" not in second
+    assert "5 runs: 3 done earlier, 1 to play" in second and "not played" in second
+    assert main(args) == 0
+    third = capsys.readouterr().out
+    assert "5 runs: 4 done earlier, 1 to play" in third and "not played" not in third
     assert (out / "runs" / "thunderagent.json").exists()
     assert {"results.json", "results.md", "tableD4.png"} <= {f.name for f in out.iterdir()}
     # A pattern that names no run is a typo, not an empty experiment.
@@ -127,16 +172,18 @@ def test_fig2a_sweeps_every_split_and_judges_the_best_against_the_paper(tmp_path
 
 def test_fig8_micro_breaks_lost_reuse_down_by_the_wait(tmp_path) -> None:
     config = load_config("etc/cluster.toml")
-    plans = [p for p in EXPERIMENTS["fig8"].plans(config, MICRO, 1)
-             if p.key in ("static-4P", "ablation-0", "ablation-1")]
-    runs = run_plans(plans, jobs=2)
-    report, plots = EXPERIMENTS["fig8"].report(runs, MICRO, "etc/cluster.toml", 1)
+    micro = msgspec.structs.replace(MICRO, sweep=(4,))
+    runs = run_plans([p for p in EXPERIMENTS["fig8"].plans(config, micro, 1)
+                      if p.key == "cc-static-4P"], jobs=1)
+    runs.update(run_plans([p for p in EXPERIMENTS["fig8"].followups(config, micro, 1, runs)
+                           if p.key in ("ablation-0", "ablation-1")], jobs=2))
+    report, plots = EXPERIMENTS["fig8"].report(runs, micro, "etc/cluster.toml", 1)
     write(tmp_path, report, plots)
     data = json.loads((tmp_path / "results.json").read_text())
     waits = next(t for t in data["tables"] if t["title"].startswith("(d) Lost KV reuse"))
-    assert [r[0] for r in waits["rows"]] == ["SGLang PD 4P5D", "evinfra, fixed 4P5D",
+    assert [r[0] for r in waits["rows"]] == ["static 4P5D", "evinfra, fixed 4P5D",
                                              "- counts (LRU)"]
-    for row, key in zip(waits["rows"], ("static-4P", "ablation-0", "ablation-1")):
+    for row, key in zip(waits["rows"], ("cc-static-4P", "ablation-0", "ablation-1")):
         by = runs[key].summary.reuse_by_wait
         assert row[1:3] == [pytest.approx(100 * by[w].lost_kv_reuse) if w in by else None
                             for w in ("first", "<10s")]

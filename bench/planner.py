@@ -38,7 +38,7 @@ def cluster(n: int, seed: int) -> tuple[list[NodeModel], Split, list[SliceWork]]
     slices = []
     for i in range(M):
         t_uc, t_c = rng.uniform(2e3, 1.2e4, 200), rng.uniform(2e4, 1.2e5, 200)
-        slices.append(SliceWork(start=60.0 * i, requests=200, t_uc=float(t_uc.mean()),
+        slices.append(SliceWork(start=60.0 * i, length=60.0, requests=200, t_uc=float(t_uc.mean()),
                                 A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
                                 t_out=float(rng.uniform(700, 1100)), t_acc=1.8,
                                 q=float(18 * n * rng.uniform(0.9, 1.1))))

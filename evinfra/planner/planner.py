@@ -17,7 +17,7 @@ suited to prefill, for ``p > |P|`` the decode nodes best suited to it, and it ch
 from __future__ import annotations
 
 import math
-from typing import Annotated, Iterable, Protocol, Sequence
+from typing import Annotated, Iterable, Literal, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -28,6 +28,7 @@ from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
 from evinfra.errors import ConfigError
 from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi, pool
+from evinfra.planner.latency import predict_e2e
 from evinfra.planner.window import SliceWork, Window
 
 __all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "SplitPlanner", "plan"]
@@ -56,6 +57,15 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     adapt: bool = True
     """False keeps the split the warm-up ends with: the fixed-split ablation (6.4, Fig. 8b)
     and the static-split sweeps. The models are still fitted (the router needs them)."""
+    objective: Literal["throughput", "latency"] = "throughput"
+    """``throughput``: the paper's rule (Eq. 5-6). ``latency`` (beyond the paper): the
+    paper's rule first; when no candidate's throughput gain is significant, the candidate
+    whose predicted mean E2E gain (:mod:`evinfra.planner.latency`) passes the same 2σ/√m
+    test and ``latency_min_gain``, among those whose Θ is not significantly lower."""
+    latency_min_gain: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
+    """A latency switch also needs a mean gain of at least this share of the current split's
+    predicted mean E2E: the model's own error, not only the slices' noise, must be beaten, so
+    two splits predicted alike do not trade places."""
 
     def __post_init__(self) -> None:
         if self.experts_per_token > self.routed_experts:
@@ -95,6 +105,13 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     threshold: float
     """``2σ/√m``, with m the number of usable slices."""
     qualified: bool
+    e2e: list[float] = []
+    """Predicted mean E2E on each usable slice, seconds (``objective = "latency"``, when the
+    throughput rule chose nothing; inf: the candidate cannot keep up there)."""
+    e2e_gain: float = 0.0
+    """Mean over the slices of the current split's predicted E2E minus this one's."""
+    e2e_threshold: float = 0.0
+    e2e_qualified: bool = False
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,6 +129,10 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     theta: list[float] = []
     """Θ of ``split`` on each usable slice (Eq. 5), requests per second."""
     candidates: list[Candidate] = []
+    rule: Literal["throughput", "latency", "none"] = "none"
+    """Which rule chose ``chosen`` ("none": nothing was chosen)."""
+    e2e: list[float] = []
+    """Predicted mean E2E of ``split`` on each usable slice, when the latency rule ran."""
 
 
 # -- the decision ----------------------------------------------------------------------------
@@ -226,12 +247,15 @@ def _order(nodes: _Arrays, names: Sequence[NodeId], split: Split,
 
 
 def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork], *,
-         at: float) -> Decision:
+         at: float, objective: Literal["throughput", "latency"] = "throughput",
+         latency_min_gain: float = 0.05) -> Decision:
     """Algorithm E.3 lines 17-28 for one window: evaluate every prefill count, pick or keep.
 
     ``models`` are usable models of every node of ``split`` (their t̄_n, f_n remeasured);
     ``slices`` are the window's. Slices without finished requests have no w̄ and are left
-    out; m in ``2σ/√m`` counts the slices used. σ is the sample standard deviation.
+    out; m in ``2σ/√m`` counts the slices used. σ is the sample standard deviation. With
+    ``objective = "latency"`` a window the throughput rule leaves alone is judged on
+    predicted mean E2E (:class:`PlannerConfig`).
     """
     used = [s for s in slices if s.usable]
     if len(used) < 2:
@@ -244,7 +268,8 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
     if len(names) == 2:
         return Decision(at=at, split=split, slices=list(slices),
                         reason="keep 1P1D: the only split with a node in each phase")
-    w = {k: np.array([getattr(s, k) for s in used]) for k in ("requests", "t_uc", "A", "t_c", "q")}
+    w = {k: np.array([getattr(s, k) for s in used])
+         for k in ("requests", "t_uc", "A", "t_c", "q", "length", "t_acc")}
     w["n_iter"] = np.array([s.t_out / s.t_acc for s in used])
     nodes = _Arrays.of(models)
     order = _order(nodes, names, split, w)
@@ -265,19 +290,76 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
         if j + 1 != current]
     ordered = [names[i] for i in order]
     chosen = None
+    rule: Literal["throughput", "latency", "none"] = "none"
+    e2e_now: list[float] = []
     if qualified.any():
         best = int(np.argmax(np.where(qualified, mean, -np.inf)))
         chosen = Split.of(names, ordered[:best + 1])
+        rule = "throughput"
         reason = (f"switch {split.label} -> {chosen.label}: largest mean gain "
                   f"{mean[best]:.4g} req/s > 2σ/√m = {threshold[best]:.4g} "
                   f"({int(qualified.sum())} of {len(candidates)} candidates qualify, m = {m})")
     else:
         best = int(np.argmax(np.where(np.arange(len(mean)) == current - 1, -np.inf, mean)))
-        reason = (f"keep {split.label}: no candidate's mean gain exceeds 2σ/√m (best "
-                  f"{best + 1}P: {mean[best]:.4g} req/s vs {threshold[best]:.4g}, m = {m})")
+        why = (f"no candidate's mean gain exceeds 2σ/√m (best {best + 1}P: {mean[best]:.4g} "
+               f"req/s vs {threshold[best]:.4g}, m = {m})")
+        reason = f"keep {split.label}: {why}"
+        if objective == "latency":
+            ranked = nodes.take(order)
+            e2e = predict_e2e(1.0 / ranked.t_p_req(w["t_uc"], w["A"], w["t_c"]),
+                              np.stack([ranked.d0, ranked.d1, ranked.d2]),
+                              w["requests"] / w["length"], w["n_iter"], w["t_acc"],
+                              nodes.k_over_e, nodes.t_fwd).e2e
+            candidates, chosen, latency_why = _by_latency(
+                candidates, e2e, current, mean, threshold, latency_min_gain, names, ordered,
+                split)
+            e2e_now = e2e[:, current - 1].tolist()
+            if chosen is None:
+                reason += f"; {latency_why}"
+            else:
+                rule = "latency"
+                reason = (f"switch {split.label} -> {chosen.label} by the latency rule, as {why}: "
+                          f"{latency_why}")
     return Decision(at=at, split=split, slices=list(slices), order=ordered,
                     theta=theta[:, current - 1].tolist(), candidates=candidates,
-                    chosen=chosen, reason=reason)
+                    chosen=chosen, reason=reason, rule=rule, e2e=e2e_now)
+
+
+def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int, mean: np.ndarray,
+                threshold: np.ndarray, min_gain: float, names: list[NodeId],
+                ordered: list[NodeId], split: Split
+                ) -> tuple[list[Candidate], Split | None, str]:
+    """The latency rule of :class:`PlannerConfig` on predicted mean E2E ``e2e`` (slices ×
+    candidates): the candidates with their latency figures, the choice, and why."""
+    m = e2e.shape[0]
+    now = e2e[:, current - 1]
+    if not np.isfinite(now).all():
+        return candidates, None, (f"the latency rule waits: {split.label} is predicted not to "
+                                  "keep up in some slice (the throughput rule's case)")
+    gains = now[:, None] - e2e
+    finite = np.isfinite(e2e).all(axis=0)
+    with np.errstate(invalid="ignore"):
+        g_mean = np.where(finite, gains.mean(axis=0), -np.inf)
+        g_threshold = np.where(finite, 2 * gains.std(axis=0, ddof=1) / math.sqrt(m), np.inf)
+    floor = min_gain * float(now.mean())
+    # Θ not significantly lower: a capacity loss beyond the slices' noise is no trade.
+    ok = finite & (g_mean > g_threshold) & (g_mean > floor) & (mean >= -threshold)
+    ok[current - 1] = False
+    out = [msgspec.structs.replace(c, e2e=e2e[:, c.prefill - 1].tolist(),
+                                   e2e_gain=float(g_mean[c.prefill - 1]),
+                                   e2e_threshold=float(g_threshold[c.prefill - 1]),
+                                   e2e_qualified=bool(ok[c.prefill - 1])) for c in candidates]
+    best = int(np.argmax(np.where(np.arange(len(g_mean)) == current - 1, -np.inf, g_mean)))
+    figures = (f"predicted mean E2E {now.mean():.4g} s -> {e2e[:, best].mean():.4g} s at "
+               f"{best + 1}P, gain {g_mean[best]:.4g} s vs 2σ/√m = {g_threshold[best]:.4g} s "
+               f"and {100 * min_gain:g} % = {floor:.4g} s")
+    if not ok.any():
+        return out, None, f"no latency gain qualifies ({figures})"
+    best = int(np.argmax(np.where(ok, g_mean, -np.inf)))
+    figures = (f"predicted mean E2E {now.mean():.4g} s -> {e2e[:, best].mean():.4g} s, gain "
+               f"{g_mean[best]:.4g} s > 2σ/√m = {g_threshold[best]:.4g} s and > "
+               f"{100 * min_gain:g} % = {floor:.4g} s, Θ not significantly lower")
+    return out, Split.of(names, ordered[:best + 1]), figures
 
 
 # -- the service's interface -----------------------------------------------------------------
@@ -524,8 +606,11 @@ class Planner:
         """E.3 lines 17-28 over the nodes that serve: a node out of service (down, cordoned)
         gives the cluster no capacity, so the candidates split the others, and it keeps its
         phase for when it is back."""
+        rule = {"objective": self.config.objective,
+                "latency_min_gain": self.config.latency_min_gain}
         if not self._out:
-            return plan([self.models[n] for n in self.nodes], self.split, slices, at=now)
+            return plan([self.models[n] for n in self.nodes], self.split, slices, at=now,
+                        **rule)
         out = set(self._out)
         live = [n for n in self.nodes if n not in out]
         sub = Split.of(live, [n for n in self.split.prefill if n not in out])
@@ -533,7 +618,7 @@ class Planner:
         if not sub.prefill or not sub.decode:
             return Decision(at=now, split=self.split, slices=slices, reason=(
                 f"keep {self.split.label}: {note}, and no phase may be left without a node"))
-        d = plan([self.models[n] for n in live], sub, slices, at=now)
+        d = plan([self.models[n] for n in live], sub, slices, at=now, **rule)
         chosen = None if d.chosen is None else Split.of(
             self.nodes, list(d.chosen.prefill) + [n for n in self.split.prefill if n in out])
         return msgspec.structs.replace(d, split=self.split, chosen=chosen,

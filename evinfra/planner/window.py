@@ -30,6 +30,9 @@ class SliceWork(msgspec.Struct, frozen=True, kw_only=True):
     iteration in the window, for t_acc) the slice has no w̄ and is not ``usable``."""
 
     start: float
+    length: float
+    """Seconds the slice lasts (``T_win / m``): its finished requests over it are the rate
+    the latency estimate queues (:func:`~evinfra.planner.latency.predict_e2e`)."""
     requests: int
     t_uc: float
     A: float
@@ -117,7 +120,7 @@ class Window:
         for i, (n, t_uc, A, t_c, t_out) in enumerate(self._work):  # noqa: N806
             per = 1.0 / n if n else 0.0
             out.append(SliceWork(
-                start=self.start + i * self._dt, requests=int(n), t_uc=t_uc * per, A=A * per,
+                start=self.start + i * self._dt, length=self._dt, requests=int(n), t_uc=t_uc * per, A=A * per,
                 t_c=t_c * per, t_out=t_out * per, q=self._q_area[i] / self._dt,
                 t_acc=self._accepted[i] / self._fed[i] if self._fed[i] else pooled))
         return out

@@ -26,7 +26,7 @@ def slice_of(requests: list[tuple[float, float, float]], q: float, start: float 
              t_acc: float = 1.8) -> SliceWork:
     """w̄ and q̄ of a slice whose finished requests are ``[(t_uc, t_c, t_out), ...]``."""
     t_uc, t_c, t_out = np.array(requests, dtype=float).T
-    return SliceWork(start=start, requests=len(requests), t_uc=float(t_uc.mean()),
+    return SliceWork(start=start, length=60.0, requests=len(requests), t_uc=float(t_uc.mean()),
                      A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
                      t_out=float(t_out.mean()), t_acc=t_acc, q=float(q))
 
@@ -137,7 +137,7 @@ def test_a_one_slice_burst_that_pulls_the_mean_up_does_not_qualify():
 
 def test_slices_without_finished_requests_are_left_out():
     names = [f"n{i}" for i in range(3)]
-    empty = SliceWork(start=0.0, requests=0, t_uc=0, A=0, t_c=0, t_out=0, t_acc=1.8, q=5)
+    empty = SliceWork(start=0.0, length=60.0, requests=0, t_uc=0, A=0, t_c=0, t_out=0, t_acc=1.8, q=5)
     work = slice_of([(4000, 30_000, 1000)], 100)
     d = plan(homogeneous(3), Split.of(names, ["n0"]), [work, empty, work], at=0.0)
     assert all(len(c.gains) == 2 for c in d.candidates)

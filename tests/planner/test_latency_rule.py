@@ -1,0 +1,100 @@
+"""The latency rule (beyond the paper, issue 43): a queueing estimate of TTFT and E2E per
+candidate split from the planner's own models, used when the throughput rule chooses nothing."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from planner_fakes import TRUTH
+
+from evinfra.core.types import qk_pairs
+from evinfra.planner import PlannerConfig, SliceWork, Split, plan
+from evinfra.planner.latency import predict_e2e
+
+NAMES = [f"n{i}" for i in range(9)]
+
+
+def homogeneous(n: int):
+    return [msgspec.structs.replace(TRUTH, node=f"n{i}", f=0.2) for i in range(n)]
+
+
+def slice_of(requests, q: float, start: float) -> SliceWork:
+    t_uc, t_c, t_out = np.array(requests, dtype=float).T
+    return SliceWork(start=start, length=60.0, requests=len(requests), t_uc=float(t_uc.mean()),
+                     A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
+                     t_out=float(t_out.mean()), t_acc=1.8, q=float(q))
+
+
+def window(rng: np.random.Generator, per_slice: tuple[int, int]) -> list[SliceWork]:
+    """Slices alternating short and long uncached prompts: the throughput gains of moving a
+    node swing sign from slice to slice, so none is significant over the window."""
+    out = []
+    for i in range(10):
+        long = i % 2
+        n = int(rng.integers(*per_slice))
+        reqs = [(rng.uniform(3000, 15_000) if long else rng.uniform(500, 4000),
+                 rng.uniform(2e4, 1e5), rng.uniform(300, 1500)) for _ in range(n)]
+        out.append(slice_of(reqs, 60 + 40 * long, 60.0 * i))
+    return out
+
+
+def test_the_estimate_by_hand():
+    """One prefill node is an M/M/1 queue (Sakasegawa's formula is exact at c = 1); with no
+    expert term the decode fixed point is B = a·d0 / (1 − a·d2)."""
+    mu = np.array([[2.0, 2.0, 2.0]])  # requests per second per node, one slice
+    d = np.array([[0.01, 0.01, 0.01], [0.0, 0.0, 0.0], [0.01, 0.01, 0.01]])
+    rate, n_iter, t_acc = np.array([1.5]), np.array([100.0]), np.array([2.0])
+    lat = predict_e2e(mu, d, rate, n_iter, t_acc, 8 / 256, 2)
+    ttft_1 = 0.5 / (1 - 0.75)  # S/(1 − ρ)
+    assert lat.ttft[0, 0] == pytest.approx(ttft_1)
+    a = 1.5 * 100 / 2  # λ·n_iter/|D| with two decode nodes
+    B = a * 0.01 / (1 - a * 0.01)  # noqa: N806
+    t_iter = 0.01 + 0.01 * B
+    assert lat.tpot[0, 0] == pytest.approx(t_iter / 2.0)
+    assert lat.e2e[0, 0] == pytest.approx(ttft_1 + 100 * t_iter)
+    # Two prefill nodes wait less; one decode node cannot keep up (a·d2 > 1): inf.
+    assert lat.ttft[0, 1] < lat.ttft[0, 0] and np.isinf(lat.e2e[0, 1])
+    assert np.isinf(predict_e2e(mu, d, np.array([4.5]), n_iter, t_acc, 8 / 256, 2).ttft).all()
+
+
+def test_the_latency_rule_moves_when_throughput_cannot_tell_the_splits_apart():
+    slices = window(np.random.default_rng(0), (290, 310))
+    split = Split.of(NAMES, NAMES[:3])
+    paper = plan(homogeneous(9), split, slices, at=600.0)
+    assert paper.chosen is None and paper.rule == "none" and not paper.e2e
+    d = plan(homogeneous(9), split, slices, at=600.0, objective="latency")
+    assert not any(c.qualified for c in d.candidates)
+    assert d.rule == "latency" and d.chosen is not None and d.chosen.label == "2P7D"
+    two = next(c for c in d.candidates if c.prefill == 2)
+    assert two.e2e_qualified and two.e2e_gain > max(two.e2e_threshold, 0.05 * np.mean(d.e2e))
+    assert np.mean(two.e2e) < np.mean(d.e2e)
+    assert d.reason.startswith("switch 3P6D -> 2P7D by the latency rule, as no candidate's")
+    assert "predicted mean E2E" in d.reason
+    # A lighter load: the same direction, but the predicted gain is under 5 % of E2E.
+    light = plan(homogeneous(9), split, window(np.random.default_rng(0), (110, 130)), at=600.0,
+                 objective="latency")
+    assert light.chosen is None and "no latency gain qualifies" in light.reason
+
+
+def test_at_the_boundary_of_two_splits_it_does_not_flap():
+    """Thirty windows of a load whose predicted E2E is about the same at 2P7D and 3P6D: at
+    most one switch. (A rule without the significance test and the margin switches to the
+    best predicted candidate every window.)"""
+    rng = np.random.default_rng(7)
+    split, switches = Split.of(NAMES, NAMES[:3]), 0
+    for k in range(30):
+        d = plan(homogeneous(9), split, window(rng, (140, 170)), at=600.0 * k,
+                 objective="latency")
+        if d.chosen is not None:
+            switches, split = switches + 1, d.chosen
+    assert switches <= 1
+
+
+def test_the_objective_is_a_config_key_and_the_papers_rule_the_default():
+    assert PlannerConfig().objective == "throughput"
+    assert msgspec.convert({"objective": "latency"}, PlannerConfig).objective == "latency"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"objective": "speed"}, PlannerConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"latency_min_gain": 1.5}, PlannerConfig)

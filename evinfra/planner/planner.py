@@ -61,7 +61,10 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """``throughput``: the paper's rule (Eq. 5-6). ``latency`` (beyond the paper): the
     paper's rule first; when no candidate's throughput gain is significant, the candidate
     whose predicted mean E2E gain (:mod:`evinfra.planner.latency`) passes the same 2σ/√m
-    test and ``latency_min_gain``, among those whose Θ is not significantly lower."""
+    test and ``latency_min_gain``, among those predicted to keep up with that margin more
+    load in every slice. While the current split keeps up so, a throughput candidate
+    predicted slower by more than the margin is set aside (Θ differs below capacity while the
+    throughput served does not; taking it would undo the latency rule's switches)."""
     latency_min_gain: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
     """A latency switch also needs a mean gain of at least this share of the current split's
     predicted mean E2E: the model's own error, not only the slices' noise, must be beaten, so
@@ -281,6 +284,32 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
     threshold = 2 * sigma / math.sqrt(m)
     qualified = mean > threshold
     qualified[current - 1] = False
+    ordered = [names[i] for i in order]
+    e2e = headroom = None
+    set_aside = ""
+    if objective == "latency":
+        ranked = nodes.take(order)
+        mu_p = 1.0 / ranked.t_p_req(w["t_uc"], w["A"], w["t_c"])
+        d = np.stack([ranked.d0, ranked.d1, ranked.d2])
+        rate = w["requests"] / w["length"]
+
+        def e2e_at(load: float) -> np.ndarray:
+            return predict_e2e(mu_p, d, rate * load, w["n_iter"], w["t_acc"],
+                               nodes.k_over_e, nodes.t_fwd).e2e
+
+        e2e = e2e_at(1.0)
+        # Below capacity Θ of Eq. 5 is no capacity (its decode side is the rate served at
+        # the measured q): what counts is keeping up with the margin more load.
+        headroom = np.isfinite(e2e_at(1.0 + latency_min_gain)).all(axis=0)
+        if headroom[current - 1]:
+            # The current split keeps up: a Θ "gain" that costs predicted latency is that
+            # artefact, and taking it would undo the latency rule's last switch.
+            slower = ~(e2e.mean(axis=0) <= (1 + latency_min_gain) * e2e[:, current - 1].mean())
+            dropped = qualified & slower
+            if dropped.any():
+                qualified &= ~slower
+                set_aside = (f"; set aside, predicted slower while {split.label} keeps up: "
+                             + ", ".join(f"{j + 1}P" for j in np.flatnonzero(dropped)))
     candidates = [
         Candidate(prefill=j + 1, moved=abs(j + 1 - current), gains=g, mean=mu, sigma=s,
                   threshold=th, qualified=ok)
@@ -288,7 +317,6 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                                                    sigma.tolist(), threshold.tolist(),
                                                    qualified.tolist()))
         if j + 1 != current]
-    ordered = [names[i] for i in order]
     chosen = None
     rule: Literal["throughput", "latency", "none"] = "none"
     e2e_now: list[float] = []
@@ -298,21 +326,18 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
         rule = "throughput"
         reason = (f"switch {split.label} -> {chosen.label}: largest mean gain "
                   f"{mean[best]:.4g} req/s > 2σ/√m = {threshold[best]:.4g} "
-                  f"({int(qualified.sum())} of {len(candidates)} candidates qualify, m = {m})")
+                  f"({int(qualified.sum())} of {len(candidates)} candidates qualify, m = {m})"
+                  f"{set_aside}")
     else:
         best = int(np.argmax(np.where(np.arange(len(mean)) == current - 1, -np.inf, mean)))
         why = (f"no candidate's mean gain exceeds 2σ/√m (best {best + 1}P: {mean[best]:.4g} "
-               f"req/s vs {threshold[best]:.4g}, m = {m})")
+               f"req/s vs {threshold[best]:.4g}, m = {m})" if not set_aside else
+               f"no throughput gain qualifies (best {best + 1}P: {mean[best]:.4g} req/s vs "
+               f"{threshold[best]:.4g}, m = {m}){set_aside}")
         reason = f"keep {split.label}: {why}"
-        if objective == "latency":
-            ranked = nodes.take(order)
-            e2e = predict_e2e(1.0 / ranked.t_p_req(w["t_uc"], w["A"], w["t_c"]),
-                              np.stack([ranked.d0, ranked.d1, ranked.d2]),
-                              w["requests"] / w["length"], w["n_iter"], w["t_acc"],
-                              nodes.k_over_e, nodes.t_fwd).e2e
+        if e2e is not None and headroom is not None:
             candidates, chosen, latency_why = _by_latency(
-                candidates, e2e, current, mean, threshold, latency_min_gain, names, ordered,
-                split)
+                candidates, e2e, current, headroom, latency_min_gain, names, ordered, split)
             e2e_now = e2e[:, current - 1].tolist()
             if chosen is None:
                 reason += f"; {latency_why}"
@@ -325,12 +350,14 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                     chosen=chosen, reason=reason, rule=rule, e2e=e2e_now)
 
 
-def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int, mean: np.ndarray,
-                threshold: np.ndarray, min_gain: float, names: list[NodeId],
+def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int,
+                headroom: np.ndarray, min_gain: float, names: list[NodeId],
                 ordered: list[NodeId], split: Split
                 ) -> tuple[list[Candidate], Split | None, str]:
     """The latency rule of :class:`PlannerConfig` on predicted mean E2E ``e2e`` (slices ×
-    candidates): the candidates with their latency figures, the choice, and why."""
+    candidates): the candidates with their latency figures, the choice, and why.
+    ``headroom[p − 1]``: the candidate keeps up with every slice's rate plus the margin, so a
+    switch for latency never trades away the throughput served."""
     m = e2e.shape[0]
     now = e2e[:, current - 1]
     if not np.isfinite(now).all():
@@ -342,8 +369,7 @@ def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int, mean
         g_mean = np.where(finite, gains.mean(axis=0), -np.inf)
         g_threshold = np.where(finite, 2 * gains.std(axis=0, ddof=1) / math.sqrt(m), np.inf)
     floor = min_gain * float(now.mean())
-    # Θ not significantly lower: a capacity loss beyond the slices' noise is no trade.
-    ok = finite & (g_mean > g_threshold) & (g_mean > floor) & (mean >= -threshold)
+    ok = finite & (g_mean > g_threshold) & (g_mean > floor) & headroom
     ok[current - 1] = False
     out = [msgspec.structs.replace(c, e2e=e2e[:, c.prefill - 1].tolist(),
                                    e2e_gain=float(g_mean[c.prefill - 1]),
@@ -358,7 +384,8 @@ def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int, mean
     best = int(np.argmax(np.where(ok, g_mean, -np.inf)))
     figures = (f"predicted mean E2E {now.mean():.4g} s -> {e2e[:, best].mean():.4g} s, gain "
                f"{g_mean[best]:.4g} s > 2σ/√m = {g_threshold[best]:.4g} s and > "
-               f"{100 * min_gain:g} % = {floor:.4g} s, Θ not significantly lower")
+               f"{100 * min_gain:g} % = {floor:.4g} s, keeping up with {100 * min_gain:g} % more load "
+               "in every slice")
     return out, Split.of(names, ordered[:best + 1]), figures
 
 

@@ -44,7 +44,7 @@ def swept(plans, template, best: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a"}))
+@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a", "calibration"}))
 def test_every_experiment_plans_its_paper_systems(name, template) -> None:
     config = load_config("etc/cluster.toml")
     plans = EXPERIMENTS[name].plans(config, QUICK, 1)
@@ -188,3 +188,31 @@ def test_fig8_micro_breaks_lost_reuse_down_by_the_wait(tmp_path) -> None:
         assert row[1:3] == [pytest.approx(100 * by[w].lost_kv_reuse) if w in by else None
                             for w in ("first", "<10s")]
     assert "(d) Lost KV reuse (%) by the wait" in (tmp_path / "results.md").read_text()
+
+
+def test_calibration_plays_only_baselines_and_scores_each_figure_against_the_paper(template):
+    """evinfra is never a calibration target; each row's error is |ours − paper| / paper,
+    and a different outcome gives a different error (the control)."""
+    from evinfra.experiments.calibration import PAPER_C1, relative_error
+
+    config = load_config("etc/cluster.toml")
+    plans = EXPERIMENTS["calibration"].plans(config, QUICK, 1)
+    assert not {p.config.policy.name for p in plans} & {"evinfra", "evinfra-fixed"}
+    assert {f"dynamo-{w}-{n}" for w, n in PAPER_C1} <= {p.key for p in plans}
+    runs = swept([p for p in plans if p.key.startswith("cc-90-")], template, 4)
+    dynamo = msgspec.structs.replace(template, key="dynamo-cc-90", summary=msgspec.structs.replace(
+        template.summary, kv_hit_rate=0.9225 * 1.1))
+    runs["dynamo-cc-90"] = dynamo
+    report, _ = EXPERIMENTS["calibration"].report(runs, QUICK, "etc/cluster.toml", 1)
+    rows = {r[1]: r for r in report.tables[0].rows}
+    best = rows["best static split of SGLang PD, cc 90 (prefill nodes)"]
+    assert best[3] == 4.0 and best[4] == 0.0 and best[5] == "yes"
+    hit = rows["Dynamo KV hit rate (%), cc 90"]
+    assert hit[2] == 92.25 and hit[4] == pytest.approx(10.0) and hit[5] == "yes"
+    assert rows["Dynamo KV hit rate (%), cc 108"][5] == "–"  # not played
+    assert relative_error(92.25 * 1.3, 92.25) == pytest.approx(0.3)
+    runs = swept([p for p in plans if p.key.startswith("cc-90-")], template, 6)
+    report, _ = EXPERIMENTS["calibration"].report(runs, QUICK, "etc/cluster.toml", 1)
+    rows = {r[1]: r for r in report.tables[0].rows}
+    assert rows["best static split of SGLang PD, cc 90 (prefill nodes)"][4] == pytest.approx(50.0)
+    assert rows["best static split of SGLang PD, cc 90 (prefill nodes)"][5] == "no"

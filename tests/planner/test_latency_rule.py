@@ -98,3 +98,20 @@ def test_the_objective_is_a_config_key_and_the_papers_rule_the_default():
         msgspec.convert({"objective": "speed"}, PlannerConfig)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"latency_min_gain": 1.5}, PlannerConfig)
+
+
+def test_a_throughput_gain_that_costs_latency_is_set_aside_while_the_split_keeps_up():
+    """Below capacity Θ's decode side is the rate served at the measured q: more decode
+    nodes "gain" throughput. The paper's rule takes 1P8D here; the latency rule keeps 2P7D,
+    which keeps up and is predicted faster (else the two rules would undo each other)."""
+    rng = np.random.default_rng(2)
+    slices = [slice_of([(8000 * rng.uniform(0.8, 1.2), rng.uniform(2e4, 1e5),
+                         rng.uniform(300, 1500)) for _ in range(200)], 20 * rng.uniform(0.9, 1.1),
+                       60.0 * i) for i in range(10)]
+    split = Split.of(NAMES, NAMES[:2])
+    paper = plan(homogeneous(9), split, slices, at=600.0)
+    assert paper.rule == "throughput" and paper.chosen.label == "1P8D"
+    d = plan(homogeneous(9), split, slices, at=600.0, objective="latency")
+    assert d.chosen is None and "set aside, predicted slower while 2P7D keeps up: 1P" in d.reason
+    one = next(c for c in d.candidates if c.prefill == 1)
+    assert not one.qualified and np.mean(one.e2e) > 1.05 * np.mean(d.e2e)

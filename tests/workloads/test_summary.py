@@ -1,4 +1,4 @@
-"""The client-side summary's reuse by wait, on records made by hand."""
+"""The client-side summary's reuse by wait and by tag, on records made by hand."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from evinfra.workloads import RequestRecord
 
 
 def rec(rid: str, branch: str, send: float, done: float | None, ideal: int, cached: int | None,
-        status: str = "ok") -> RequestRecord:
-    return RequestRecord(rid, "a", "w", branch, None, "", False, send, 1000, 10, ideal,
+        status: str = "ok", tag: str = "") -> RequestRecord:
+    return RequestRecord(rid, "a", "w", branch, None, tag, False, send, 1000, 10, ideal,
                          status=status, done_time=done, cached_tokens=cached)
 
 
@@ -46,3 +46,23 @@ def test_nothing_to_reuse_reads_zero():
     assert s.reuse_by_wait["first"].lost_kv_reuse == 0
     assert s.reuse_by_wait["first"].share_of_lost == 0
     assert summarise([], 0.0, 10.0).reuse_by_wait == {}
+
+
+def test_each_tag_gets_the_share_of_its_prompts_an_unlimited_cache_holds_and_its_wait():
+    """Fig. 2c's quantities: after a sub-agent call the prompt is mostly the parent's kept
+    context; after a compaction only the system prompt matches. Untagged requests are not
+    listed; what the cache actually reused does not enter (a workload property)."""
+    records = [
+        rec("t1", "p", 0.0, 10.0, 0, 0, tag="tool"),
+        rec("s1", "p", 370.0, 380.0, 980, 0, tag="subagent"),   # 360 s after t1's answer
+        rec("k1", "p", 400.0, 412.0, 900, 900, tag="compact"),  # a 12-s compaction call
+        rec("r1", "p", 412.0, 420.0, 140, 140, tag="resume"),   # just after it
+        rec("x1", "q", 5.0, 6.0, 500, 500),
+    ]
+    by = summarise(records, 0.0, 1000.0).reuse_by_tag
+    assert set(by) == {"tool", "subagent", "compact", "resume"}
+    assert (by["subagent"].ideal_share, by["subagent"].mean_wait) == (0.98, 360.0)
+    assert (by["resume"].ideal_share, by["resume"].mean_wait) == (0.14, 0.0)
+    assert by["compact"].mean_e2e == 12.0 and by["tool"].requests == 1
+    records[1] = rec("s1", "p", 370.0, 380.0, 500, 0, tag="subagent")  # control
+    assert summarise(records, 0.0, 1000.0).reuse_by_tag["subagent"].ideal_share == 0.5

@@ -5,9 +5,11 @@ simulations to run, as :class:`~evinfra.experiments.runs.RunPlan` data) and
 ``report(runs, scale, config_path, seed)`` (tables and plots from their outcomes).
 """
 
-from evinfra.experiments import calibration, fig2a, fig3, fig6, fig7, fig8, table_d2, table_d4
+from evinfra.experiments import (calibration, fig2a, fig2b, fig3, fig6, fig7, fig8, table_d1,
+                                 table_d2, table_d4)
 
-EXPERIMENTS = {"calibration": calibration, "fig2a": fig2a, "fig3": fig3, "fig6": fig6,
-               "fig7": fig7, "fig8": fig8, "tableD2": table_d2, "tableD4": table_d4}
+EXPERIMENTS = {"calibration": calibration, "fig2a": fig2a, "fig2b": fig2b, "fig3": fig3,
+               "fig6": fig6, "fig7": fig7, "fig8": fig8, "tableD1": table_d1, "tableD2": table_d2,
+               "tableD4": table_d4}
 
 __all__ = ["EXPERIMENTS"]

@@ -21,7 +21,7 @@ from evinfra.experiments.scale import Scale
 from evinfra.sim.harness import RunSpec
 from evinfra.workloads import Phase
 
-__all__ = ["PAPER", "TITLE", "plans", "report"]
+__all__ = ["PAPER", "PERIODS", "TITLE", "plans", "report", "shift_plan"]
 
 TITLE = "Figure 7: shifting workload composition, evinfra vs Dynamo and the best static split"
 PERIODS = (("putnam", {"putnam": 288}), ("mixed", {"putnam": 144, "osworld": 72}),
@@ -30,7 +30,8 @@ PAPER = {"dynamo": {"throughput": 2.14, "e2e": 2.15, "ttft": 3.58},
          "best static": {"throughput": 1.28, "e2e": 1.33, "ttft": 1.88}}
 
 
-def _plan(key: str, name: str, config: Config, scale: Scale, seed: int) -> RunPlan:
+def shift_plan(key: str, name: str, config: Config, scale: Scale, seed: int) -> RunPlan:
+    """One run of the shift: the warm-up and three scored periods of ``PERIODS``."""
     d, w = scale.duration, scale.warmup
     counts = [{k: scale.count(v) for k, v in agents.items()} for _, agents in PERIODS]
     schedule = [Phase(w + d, counts[0]), Phase(d, counts[1]), Phase(d, counts[2])]
@@ -41,10 +42,10 @@ def _plan(key: str, name: str, config: Config, scale: Scale, seed: int) -> RunPl
 
 
 def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
-    out = [_plan("shift-evinfra", "evinfra", system(config, "evinfra"), scale, seed),
-           _plan("shift-dynamo", "dynamo", system(config, "dynamo"), scale, seed)]
+    out = [shift_plan("shift-evinfra", "evinfra", system(config, "evinfra"), scale, seed),
+           shift_plan("shift-dynamo", "dynamo", system(config, "dynamo"), scale, seed)]
     return out + sweep("shift", config, scale,
-                       lambda key, name, cfg: _plan(key, name, cfg, scale, seed))
+                       lambda key, name, cfg: shift_plan(key, name, cfg, scale, seed))
 
 
 def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: int):

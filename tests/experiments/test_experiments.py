@@ -44,7 +44,7 @@ def swept(plans, template, best: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a", "calibration"}))
+@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a", "fig2b", "calibration"}))
 def test_every_experiment_plans_its_paper_systems(name, template) -> None:
     config = load_config("etc/cluster.toml")
     plans = EXPERIMENTS[name].plans(config, QUICK, 1)
@@ -216,3 +216,56 @@ def test_calibration_plays_only_baselines_and_scores_each_figure_against_the_pap
     rows = {r[1]: r for r in report.tables[0].rows}
     assert rows["best static split of SGLang PD, cc 90 (prefill nodes)"][4] == pytest.approx(50.0)
     assert rows["best static split of SGLang PD, cc 90 (prefill nodes)"][5] == "no"
+
+
+def test_fig2b_finds_the_best_split_of_each_window_and_the_static_splits_loss(template):
+    """Made-up sweep outcomes whose best split moves 2P -> 4P -> 6P over the three periods;
+    4P is best over the whole run and loses in the first and last (a control: a flat sweep
+    loses nothing)."""
+    from evinfra.experiments.fig2b import _windows
+
+    config = load_config("etc/cluster.toml")
+    plans = EXPERIMENTS["fig2b"].plans(config, QUICK, 1)
+    windows = _windows(QUICK)
+    assert [p.key for p in plans] == ["shift-static-2P", "shift-static-4P", "shift-static-6P"]
+    assert all(p.periods == windows for p in plans) and len(windows) == 3
+
+    def outcomes(best_of):
+        out = {}
+        for p in (2, 4, 6):
+            periods = {name: msgspec.structs.replace(
+                template.summary, throughput=10.0 - abs(p - best_of(name)) - (p != 4) * 0.5)
+                for name, _, _ in windows}
+            out[f"shift-static-{p}P"] = msgspec.structs.replace(
+                template, key=f"shift-static-{p}P", system=f"static {p}P{9 - p}D",
+                periods=periods, summary=msgspec.structs.replace(
+                    template.summary, throughput=10.0 - (p != 4)))
+        return out
+
+    moving = {"putnam-0": 2, "mixed-0": 4, "osworld-0": 6}
+    report, _ = EXPERIMENTS["fig2b"].report(outcomes(moving.get), QUICK, "etc/cluster.toml", 1)
+    rows = report.tables[0].rows
+    assert [r[2] for r in rows] == ["2P", "4P", "6P"]
+    assert rows[0][5] == pytest.approx(100 * (1 - 8.0 / 9.5)) and rows[1][5] == 0.0
+    paper = {r[0]: r[1] for r in report.tables[1].rows}
+    assert paper["best static split (whole run)"] == "4P5D"
+    assert paper["its largest loss, Putnam and OSWorld periods (%)"] == pytest.approx(
+        100 * (1 - 8.0 / 9.5))
+    flat, _ = EXPERIMENTS["fig2b"].report(outcomes(lambda name: 4), QUICK, "etc/cluster.toml", 1)
+    assert {r[2] for r in flat.tables[0].rows} == {"4P"} and all(
+        r[5] == 0.0 for r in flat.tables[0].rows)
+
+
+def test_table_d1_sweeps_both_engines_and_names_each_best_split(template):
+    config = load_config("etc/cluster.toml")
+    plans = EXPERIMENTS["tableD1"].plans(config, QUICK, 1)
+    assert len(plans) == 3 * 2 * 3
+    assert {p.config.policy.name for p in plans} == {"static-sglang", "evinfra-fixed"}
+    assert all(not p.config.planner.adapt for p in plans)
+    runs = {}
+    for prefix, best in (("cc-sglang", 4), ("cc-symmetric", 6)):
+        runs.update(swept([p for p in plans if p.key.startswith(prefix)], template, best))
+    report, _ = EXPERIMENTS["tableD1"].report(runs, QUICK, "etc/cluster.toml", 1)
+    rows = {(r[0], r[2]): r for r in report.tables[0].rows}
+    assert rows[("cc", "sglang")][3] == "4P5D" and rows[("cc", "sglang")][7] == "yes"
+    assert rows[("cc", "symmetric")][3] == "6P3D" and rows[("cc", "symmetric")][7] == "no"

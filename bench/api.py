@@ -10,9 +10,12 @@ socket). The engines' iterations are whole milliseconds: uvloop's clock has mill
 resolution and asyncio's epoll waits at least one, so sub-millisecond iterations ran at a
 speed set by the loop (the two sides once differed by 8 ms the wrong way). Latencies are
 ``time.perf_counter``'s. Two loads: one client sending back to back gives the added latency
-(p50/p99) without queueing; 64 concurrent clients give requests/s. Goal (issue 5): <= 1 ms
-p50 added. Server and client share this machine's two cores, so the HTTP figures include the
-client's own parsing, as a user's would; run it on a quiet machine.
+(p50/p99) without queueing; 64 concurrent clients give requests/s. Goal (issue 41): <= 1 ms
+p50 added, >= 0.8x the in-process rate at 64 clients. Server and client share this machine's
+cores, so the HTTP figures include the client's own parsing, as a user's would; run it on a
+quiet machine. The CPU seconds the serving process spends per request (its own, from
+``/proc``, under the 64 clients) do not depend on what else the machine runs: their
+difference is the front's cost however loaded the machine is.
 """
 
 from __future__ import annotations
@@ -74,7 +77,15 @@ class _Done:
             self.fut.set_result(error)
 
 
-async def in_process(clients: int, per_client: int) -> tuple[np.ndarray, float]:
+def cpu_seconds(pid: int | None = None) -> float:
+    """User and system CPU seconds of a process (this one by default)."""
+    if pid is None:
+        return time.process_time()
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def in_process(clients: int, per_client: int) -> tuple[np.ndarray, float, float]:
     service = Service.from_config(parse_config(FAST), WallClock())
     await service.start()
     tokens = ByteTokenizer().encode(PROMPT)
@@ -89,14 +100,14 @@ async def in_process(clients: int, per_client: int) -> tuple[np.ndarray, float]:
             assert await fut is None
             lat.append(time.perf_counter() - t)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     await asyncio.gather(*(client(c) for c in range(clients)))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     await service.stop()
-    return np.array(lat), len(lat) / wall
+    return np.array(lat), len(lat) / wall, cpu / len(lat)
 
 
-async def over_http(clients: int, per_client: int) -> tuple[np.ndarray, float]:
+async def over_http(clients: int, per_client: int) -> tuple[np.ndarray, float, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -129,14 +140,14 @@ async def over_http(clients: int, per_client: int) -> tuple[np.ndarray, float]:
                                 break
                     lat.append(time.perf_counter() - t)
 
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_seconds(proc.pid)
             await asyncio.gather(*(client(c) for c in range(clients)))
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, cpu_seconds(proc.pid) - cpu0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         os.unlink(f.name)
-    return np.array(lat), len(lat) / wall
+    return np.array(lat), len(lat) / wall, cpu / len(lat)
 
 
 def main() -> None:
@@ -145,10 +156,10 @@ def main() -> None:
     quick = ap.parse_args().quick
     configure_logging("console", "warning")  # the in-process service logs as serve would
     serial, per_client = (40, 3) if quick else (300, 20)
-    d_lat, _ = uvloop.run(in_process(1, serial))
-    h_lat, _ = asyncio.run(over_http(1, serial))
-    _, d_rps = uvloop.run(in_process(CLIENTS, per_client))
-    _, h_rps = asyncio.run(over_http(CLIENTS, per_client))
+    d_lat, _, _ = uvloop.run(in_process(1, serial))
+    h_lat, _, _ = asyncio.run(over_http(1, serial))
+    _, d_rps, d_cpu = uvloop.run(in_process(CLIENTS, per_client))
+    _, h_rps, h_cpu = asyncio.run(over_http(CLIENTS, per_client))
     d50, d99 = np.percentile(d_lat, [50, 99]) * 1e3
     h50, h99 = np.percentile(h_lat, [50, 99]) * 1e3
     print(f"streaming completions, {MAX_TOKENS} output tokens, same fake engines")
@@ -157,7 +168,9 @@ def main() -> None:
           "   goal <= 1 ms added")
     print(f"{'1 client, p99 latency ms':<26}{d99:>12.2f}{h99:>12.2f}{h99 - d99:>+16.2f}")
     print(f"{f'{CLIENTS} clients, requests/s':<26}{d_rps:>12.0f}{h_rps:>12.0f}"
-          f"{h_rps / d_rps:>15.2f}x")
+          f"{h_rps / d_rps:>15.2f}x   goal >= 0.8x")
+    print(f"{'server CPU ms / request':<26}{d_cpu * 1e3:>12.2f}{h_cpu * 1e3:>12.2f}"
+          f"{(h_cpu - d_cpu) * 1e3:>+16.2f}   (load average {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ def _serve(args: argparse.Namespace) -> int:
             server, host=args.host if args.host is not None else server.host,
             port=args.port if args.port is not None else server.port)
         config = msgspec.structs.replace(config, server=server)
+    from evinfra.api.auth import exposure
+
+    exposure(config.server)  # refuses an open server on the network before anything starts
     tokenizer = load_tokenizer(config.model.dir)
     try:
         import uvloop
@@ -51,14 +54,15 @@ async def _run_server(config, tokenizer) -> int:
     from aiohttp import web
 
     from evinfra.api import build_app
+    from evinfra.api.auth import exposure
+    from evinfra.api.front import FrontRunner
     from evinfra.core.clock import WallClock
     from evinfra.control import Service
 
+    warning = exposure(config.server)  # (a server that must not start raised in _serve)
     service = Service.from_config(config, WallClock())
     app = build_app(service, tokenizer)
-    # handler_cancellation: a client that leaves before a non-streamed answer cancels its
-    # handler, which aborts the request on the engines instead of computing it for no one.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    runner = FrontRunner(app, config.limits)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     try:
@@ -76,11 +80,23 @@ async def _run_server(config, tokenizer) -> int:
              nodes=len(config.cluster.nodes))
     print(f"evinfra serving {config.model.name!r} on http://{config.server.host}:{port}",
           file=sys.stderr, flush=True)
+    if warning is not None:
+        log.warning("auth", message=warning)
+        print(f"evinfra: warning: {warning}", file=sys.stderr, flush=True)
 
-    stop = asyncio.Event()
+    # The first SIGTERM or SIGINT starts the graceful shutdown; a second one cuts its grace
+    # short (an operator who presses Ctrl-C twice, or an orchestrator that insists).
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def signalled() -> None:
+        if stop.is_set():
+            log.warning("shutdown_hurried", in_flight=service.in_flight())
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled)
     await stop.wait()
 
     grace = config.server.shutdown_grace_s
@@ -88,7 +104,7 @@ async def _run_server(config, tokenizer) -> int:
     service.accepting = False
     await site.stop()  # no new connections; open ones finish their requests
     deadline = loop.time() + grace
-    while service.in_flight() and loop.time() < deadline:
+    while service.in_flight() and loop.time() < deadline and not hurry.is_set():
         await asyncio.sleep(0.05)
     left = service.in_flight()
     await service.stop()  # fails what is left

@@ -25,10 +25,12 @@ from evinfra.errors import ConfigError
 from evinfra.planner.planner import PlannerConfig
 from evinfra.router.router import RouterConfig
 
-__all__ = ["ClusterConfig", "Config", "ModelConfig", "NodeConfig", "Port", "ServerConfig",
+__all__ = ["ClusterConfig", "Config", "LimitsConfig", "ModelConfig", "NodeConfig", "Port",
+           "ServerConfig",
            "load_config"]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+_MiB = 1024 * 1024
 
 
 class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -38,17 +40,17 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     api_key: str = ""
     """Bearer token for the inference routes (empty: open)."""
     admin_key: str = ""
-    """Bearer token for the admin routes (empty: open, on a loopback bind)."""
-    max_body_bytes: PosInt = 16 * 1024 * 1024
+    """Bearer token for the admin routes. Empty: open if ``api_key`` is empty too (a
+    loopback bind, or ``open_network``), else refused to every caller."""
+    open_network: bool = False
+    """Serve on a non-loopback ``host`` with both keys empty (anyone who reaches the port
+    may change the cluster). False: such a server refuses to start."""
     first_token_timeout_s: PosFloat | None = 600.0
     """A request with no first token by then fails with 504 (a stalled or overloaded node)."""
     token_timeout_s: PosFloat | None = 60.0
     """A running request that produces nothing for this long fails with 504."""
     shutdown_grace_s: NonNegFloat = 30.0
     """On SIGTERM: stop accepting, let in-flight requests finish this long, fail the rest."""
-    stored_responses: Annotated[int, msgspec.Meta(ge=0)] = 1000
-    """Responses API answers kept in memory for ``previous_response_id`` (the least recently
-    used go first; 0: none)."""
     branch_idle_s: PosFloat | None = 7200.0
     """An agent branch with no request for this long is ended, its KV counts released, as if
     its harness had reported the end (one that never does would hold them, and the branch's
@@ -60,6 +62,37 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """An inferred branch with no request for this long is ended: no harness reports its end
     or its compaction. Much shorter ends agents' branches during their pauses (measure with
     ``evinfra simulate --no-hints``)."""
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``[limits]``: every bound the HTTP front puts on what one client may make it hold (the
+    README lists them). What a running request holds (its KV, its branch's counts) is bounded
+    by ``model.max_context_tokens`` and the branch timeouts of ``[server]``."""
+
+    body_bytes: PosInt = 16 * _MiB
+    """A request body, after decompression (413 above it): a 262 k-token chat history is
+    about 1 MB of JSON, a token-id prompt of that length about 2 MB."""
+    bodies_bytes: PosInt = 512 * _MiB
+    """The request bodies held at once, each from its headers until its answer is over
+    (counted at its Content-Length, or ``body_bytes`` when it sends none): a request past it
+    is a 503 with ``Retry-After`` before its body is read."""
+    tokenize_bytes: PosInt = 4 * _MiB
+    """The text ``/tokenize`` tokenizes (413 above it; its answer is some four times as
+    big). A prompt past ``model.max_context_tokens`` is refused too (400, with its count)."""
+    header_bytes: PosInt = 16 * 1024
+    """The request line, and each header line (aiohttp's default is 8 KiB)."""
+    idle_timeout_s: PosFloat = 75.0
+    """A connection with no request in progress (idle between keep-alive requests, or still
+    sending its headers) is closed after this long."""
+    read_timeout_s: PosFloat = 60.0
+    """A request's body must arrive within this long of its headers (else 408): a client
+    stalled mid-body holds a connection and its buffer."""
+    stored_responses: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    """Responses API answers kept in memory for ``previous_response_id`` (the least recently
+    used go first; 0: none) ..."""
+    stored_response_bytes: Annotated[int, msgspec.Meta(ge=0)] = 256 * _MiB
+    """... in at most this many bytes (each counted as its answer and conversation in JSON:
+    a long agent session stores its conversation once per response)."""
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -121,6 +154,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     server: ServerConfig = ServerConfig()
+    limits: LimitsConfig = LimitsConfig()
     model: ModelConfig = ModelConfig()
     cluster: ClusterConfig = ClusterConfig()
     planner: PlannerConfig = PlannerConfig()

@@ -348,9 +348,17 @@ class AnthropicRoutes:
                                            "Cache-Control": "no-cache"})
         out, blocks = sample.out, _Blocks()
 
+        # The prompt's prefill is over at the first output: its reuse is known, on the
+        # request in flight (or its record, if it is already over).
+        record, flight = sample.channel.record, self.service.ledger.get(sample.rid)
+        cached = record.cached_tokens if record is not None else \
+            flight.cached if flight is not None else 0
+
         async def events():
             yield sse_event({"type": "message_start", "message": self._message(
-                sample, [], None, {"input_tokens": prompt, "output_tokens": 0})})
+                sample, [], None, {"input_tokens": prompt - cached, "output_tokens": 0,
+                                   "cache_read_input_tokens": cached,
+                                   "cache_creation_input_tokens": 0})})
             item = first
             try:
                 while item[0] == "text":

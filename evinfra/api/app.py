@@ -7,39 +7,43 @@ status of :mod:`evinfra.errors`' tree: bad requests 4xx, no node 503, engine fai
 timeouts 504. Anything unexpected is logged and answered 500; it never takes the process down.
 
 Auth: ``server.api_key`` guards the inference routes (``Authorization: Bearer`` or
-``x-api-key``), ``server.admin_key`` the routes that change the cluster; ``/health``,
-``/ready`` and ``/metrics`` are open.
+``x-api-key``), ``server.admin_key`` the routes that change the cluster (``auth.py``).
+Every request gets an id and one access-log line (``access.py``); its body is read once,
+within ``limits.read_timeout_s``, before its handler runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
+import time
 
 import msgspec
 import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from evinfra.api.access import access_log, echo_id
 from evinfra.api.anthropic import AnthropicRoutes
+from evinfra.api.auth import auth
 from evinfra.api.metrics import Metrics
 from evinfra.api.openai import OpenAIRoutes
+from evinfra.api.openapi import serve_document
 from evinfra.api.responses import ResponsesRoutes
 from evinfra.api.schemas import SplitRequest, decode_body
 from evinfra.api.tokenizer import Tokenizer
+from evinfra.config import LimitsConfig
 from evinfra.core.types import Phase
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError
 from evinfra.control import Service
+from evinfra.control.status import status as cluster_status
 
 __all__ = ["build_app"]
 
 log = structlog.get_logger(__name__)
 
-_ADMIN = ("/v1/evinfra/split", "/v1/evinfra/nodes/", "/v1/branches/")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _MAX_BODY = web.AppKey("max_body", int)
-_OPEN = ("/health", "/ready", "/metrics")
 _ANTHROPIC = "/v1/messages"
 _ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -98,9 +102,14 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.status == 404:
+            return write(404, f"no route {request.method} {request.path}", "not_found_error")
+        if exc.status == 405:
+            return write(405, f"{request.method} is not served on {request.path}",
+                         "invalid_request_error")
         return write(exc.status, exc.reason if exc.status != 413 else
-                     f"request body too large (limit {request.app[_MAX_BODY]} bytes)",
-                     "invalid_request_error")
+                     f"request body too large (limit {request.app[_MAX_BODY]} bytes, "
+                     "limits.body_bytes)", "invalid_request_error")
     except (EvinfraError, msgspec.ValidationError, msgspec.DecodeError) as exc:
         return error_response(exc, write)
     except RequestPayloadError as exc:  # a body that does not decompress, or cut short
@@ -114,25 +123,42 @@ async def _errors(request: web.Request, handler):
         return error_response(exc, write)
 
 
-def _auth(api_key: str, admin_key: str):
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        path = request.path
-        if path in _OPEN:
-            return await handler(request)
-        key = admin_key if path.startswith(_ADMIN) else api_key
-        if key:
-            # Anthropic's clients send the key as ``x-api-key``.
-            got = request.headers.get("Authorization", "").encode()
-            alt = request.headers.get("x-api-key", "").encode()
-            if not (hmac.compare_digest(got, f"Bearer {key}".encode())
-                    or hmac.compare_digest(alt, key.encode())):
-                return _writer(request)(
-                    401, "missing or invalid API key (Authorization: Bearer ..., or x-api-key)",
-                    "authentication_error", code="invalid_api_key")
-        return await handler(request)
+def _body(limits: LimitsConfig):
+    """Read the body whole before the handler (which reads it again, from memory): a client
+    that stalls mid-body is answered 408 and let go. The bodies held at once are bounded
+    (``limits.bodies_bytes``): past it a request is a 503 before its body is read."""
+    timeout, held = limits.read_timeout_s, 0
 
-    return auth
+    @web.middleware
+    async def body(request: web.Request, handler):
+        nonlocal held
+        if not request.body_exists:
+            return await handler(request)
+        size = min(request.content_length or limits.body_bytes, limits.body_bytes)
+        if held + size > limits.bodies_bytes:
+            response = _writer(request)(
+                503, f"busy: {held} bytes of request bodies held, {limits.bodies_bytes} at "
+                "most (limits.bodies_bytes); retry shortly", "service_unavailable",
+                code="bodies_full")
+            response.headers["Retry-After"] = "1"
+            response.force_close()  # its body, unread, is not drained
+            return response
+        held += size
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    await request.read()
+            except TimeoutError:
+                response = _writer(request)(
+                    408, f"the request body did not arrive within {timeout:g} s "
+                    "(limits.read_timeout_s)", "invalid_request_error", code="read_timeout")
+                response.force_close()
+                return response
+            return await handler(request)
+        finally:
+            held -= size
+
+    return body
 
 
 class _Admin:
@@ -155,7 +181,7 @@ class _Admin:
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.Response(body=msgspec.json.encode(self.service.status()),
+        return web.Response(body=msgspec.json.encode(cluster_status(self.service, time.time())),
                             content_type="application/json")
 
     async def split(self, request: web.Request) -> web.Response:
@@ -166,9 +192,13 @@ class _Admin:
 
     async def cordon(self, request: web.Request) -> web.Response:
         """``POST /v1/evinfra/nodes/{node}/cordon`` or ``/uncordon``; the node's view after
-        (``queued``, ``prefilling`` and ``decoding`` at 0: it is idle)."""
+        (``queued``, ``prefilling`` and ``decoding`` at 0: it is idle). Cordoning the last
+        routable node of a phase is a 409 unless ``?force=true``."""
         node, action = request.match_info["node"], request.match_info["action"]
-        withdrawn = self.service.cordon(node, action == "cordon")
+        force = request.query.get("force", "false").lower()
+        if force not in ("true", "false"):
+            raise RequestError(f"force must be true or false, not {force!r}", param="force")
+        withdrawn = self.service.cordon(node, action == "cordon", force == "true")
         return web.json_response({"node": node, **self.service.router.node_view(node),
                                   "withdrawn": len(withdrawn)})
 
@@ -186,11 +216,14 @@ class _Admin:
 
 
 def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
-    server = service.config.server
-    app = web.Application(client_max_size=server.max_body_bytes,
-                          middlewares=[_errors, _auth(server.api_key, server.admin_key)])
-    app[_MAX_BODY] = server.max_body_bytes
+    limits = service.config.limits
     metrics = Metrics(service)
+    app = web.Application(client_max_size=limits.body_bytes,
+                          middlewares=[access_log(metrics.answered), _errors,
+                                       auth(service.config.server, _writer),
+                                       _body(limits)])
+    app.on_response_prepare.append(echo_id)
+    app[_MAX_BODY] = limits.body_bytes
     admin = _Admin(service, metrics)
     OpenAIRoutes(service, tokenizer).add_to(app)
     AnthropicRoutes(service, tokenizer).add_to(app)
@@ -198,6 +231,7 @@ def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
     app.router.add_get("/health", admin.health)
     app.router.add_get("/ready", admin.ready)
     app.router.add_get("/metrics", admin.metrics_)
+    app.router.add_get("/openapi.json", serve_document)
     app.router.add_get("/v1/evinfra/status", admin.status)
     app.router.add_post("/v1/evinfra/split", admin.split)
     app.router.add_post("/v1/evinfra/nodes/{node}/{action:cordon|uncordon}", admin.cordon)

@@ -2,19 +2,37 @@
 
 Per-request figures are updated from the bus's ``RequestDone`` events (one pass per request,
 off the routing path); the cluster's state (split, queues, directory, planner) is read from
-the service when ``/metrics`` is scraped, so nothing keeps gauges in sync by hand.
+the service when ``/metrics`` is scraped, so nothing keeps gauges in sync by hand. HTTP
+answers are counted by the access log (``access.py``), by route pattern and status class;
+the process's own figures (RSS, CPU, open fds, GC) are prometheus_client's collectors.
+
+Label values are few and stable: route patterns, status classes (``2xx``...), and request
+statuses named here (:data:`OUTCOMES`), never a Python class name.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from evinfra.core.events import RequestDone, SplitChanged
 from evinfra.core.types import Phase
 from evinfra.control import Service
 
-__all__ = ["Metrics"]
+__all__ = ["OUTCOMES", "Metrics", "outcome"]
+
+OUTCOMES = {"ok": "ok", "aborted": "aborted", "RequestError": "bad_request",
+            "UnknownBranchError": "bad_request", "NoNodeError": "no_node",
+            "EngineError": "engine_error"}
+"""A request's end (``RequestDone.status``: ``ok``, ``aborted`` or an error's class) as the
+``status`` label of ``evinfra_requests_total`` writes it; any other error is ``error``."""
+
+
+def outcome(status: str) -> str:
+    return OUTCOMES.get(status, "error")
 
 _LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _PER_TOKEN = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
@@ -25,7 +43,12 @@ class Metrics:
         self.service = service
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("evinfra_requests", "Requests over, by status", ["status"], registry=r)
+        self.requests = Counter("evinfra_requests", "Requests over, by status (ok, aborted, "
+                                "bad_request, no_node, engine_error, error)", ["status"],
+                                registry=r)
+        self.answers = Counter("evinfra_http_responses", "HTTP answers by route pattern and "
+                               "status class (499: the client went away first)",
+                               ["route", "code"], registry=r)
         self.ttft = Histogram("evinfra_ttft_seconds", "Time to first token", buckets=_LATENCY,
                               registry=r)
         self.e2e = Histogram("evinfra_e2e_seconds", "Request latency, arrival to last token",
@@ -42,11 +65,18 @@ class Metrics:
         self.output = Counter("evinfra_output_tokens", "Output tokens", registry=r)
         self.splits = Counter("evinfra_split_changes", "Split changes started", registry=r)
         r.register(_ClusterCollector(service))
+        ProcessCollector(registry=r)  # RSS, CPU seconds, open fds...
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         service.bus.subscribe(RequestDone, self._on_done)
         service.bus.subscribe(SplitChanged, lambda _: self.splits.inc())
 
+    def answered(self, route: str, status: int) -> None:
+        """One HTTP answer (the access log's count)."""
+        self.answers.labels(route, f"{status // 100}xx" if status != 499 else "499").inc()
+
     def _on_done(self, d: RequestDone) -> None:
-        self.requests.labels(d.status).inc()
+        self.requests.labels(outcome(d.status)).inc()
         if d.status != "ok":
             return
         if d.first_token is not None:
@@ -80,16 +110,35 @@ class _ClusterCollector:
                                      labels=["node"])
         routable = GaugeMetricFamily("evinfra_node_routable", "1 if new work may go to the node "
                                      "(healthy, not cordoned, not switching)", labels=["node"])
+        kv_used = GaugeMetricFamily("evinfra_node_kv_used_tokens", "KV tokens in use per node "
+                                    "and tier (l1: GPU, l2: host), as last reported",
+                                    labels=["node", "tier"])
+        kv_capacity = GaugeMetricFamily("evinfra_node_kv_capacity_tokens",
+                                        "KV capacity per node and tier", labels=["node", "tier"])
+        branches = GaugeMetricFamily("evinfra_node_branches", "Agent branches with KV counts "
+                                     "on the node", labels=["node"])
+        directory = s.directory.summary()
+        per_node = directory["nodes"]
         for n in s.nodes:
             view = router.node_view(n)
             phase.add_metric([n, str(view["phase"])], 1)
             queued.add_metric([n], float(view["queued"]))
             decoding.add_metric([n], float(view["decoding"]))
             routable.add_metric([n], float(router.routable(n)))
+            branches.add_metric([n], per_node[n]["branches"])
+            state = router.state(n)
+            if state is not None:
+                for tier, used, cap in (("l1", state.l1_used, state.l1_capacity),
+                                        ("l2", state.l2_used, state.l2_capacity)):
+                    kv_used.add_metric([n, tier], used)
+                    kv_capacity.add_metric([n, tier], cap)
         yield phase
         yield queued
         yield decoding
         yield routable
+        yield kv_used
+        yield kv_capacity
+        yield branches
         p, d = router.split()
         g = GaugeMetricFamily("evinfra_split_nodes", "Nodes per phase", labels=["phase"])
         g.add_metric(["prefill"], len(p))
@@ -97,7 +146,6 @@ class _ClusterCollector:
         g.add_metric(["collocated"], sum(router.phase(n) is Phase.COLLOCATED for n in s.nodes))
         yield g
         yield GaugeMetricFamily("evinfra_in_flight", "Requests in flight", value=s.in_flight())
-        directory = s.directory.summary()
         yield GaugeMetricFamily("evinfra_directory_blocks", "Blocks in the KV directory",
                                 value=directory["blocks"])
         yield GaugeMetricFamily("evinfra_directory_entries", "(block, node) entries",

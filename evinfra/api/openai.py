@@ -42,6 +42,10 @@ __all__ = ["OpenAIRoutes"]
 _ROLES = {"system", "user", "assistant", "tool", "developer", "function"}
 
 
+_INLINE_TOKENIZE = 64 * 1024
+"""Bytes of text tokenized on the event loop; a longer one goes to a thread, so that one
+client's long ``/tokenize`` does not stall every other request."""
+
 _MAX_SAMPLED = 2048
 """Requests one completion may make: its prompts times its candidates per prompt."""
 
@@ -65,6 +69,10 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
         return [p]
     if not p:
         raise RequestError("prompt must not be empty", param="prompt")
+    for i, one in enumerate(p):
+        if not isinstance(one, (str, list)):  # a batch mixing texts and ids ([["a"], 5])
+            raise RequestError("a batch of prompts is a list of texts or of token-id lists, "
+                               f"not {type(one).__name__}s", param=f"prompt[{i}]")
     return p
 
 
@@ -88,6 +96,12 @@ def _chat_prompt(body: ChatCompletionRequest | TokenizeRequest, tools: list[dict
         if not isinstance(role, str) or role not in _ROLES:  # (a list is not hashable)
             raise RequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}",
                                param=f"messages[{i}].role")
+        if m.get("content") is None and "tool_calls" not in m and "function_call" not in m:
+            # (calls are checked where the template reads them: only an assistant's may
+            # stand for its content)
+            raise RequestError(f"messages[{i}] has no content (only an assistant's message "
+                               "with tool_calls may leave it out)",
+                               param=f"messages[{i}].content")
     go_on = body.continue_final_message
     if go_on and body.add_generation_prompt:
         raise RequestError("continue_final_message goes on with the final message: "
@@ -172,6 +186,7 @@ class OpenAIRoutes:
         self.service = service
         self.tok = tokenizer
         self.model = service.config.model
+        self.limits = service.config.limits
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -202,7 +217,9 @@ class OpenAIRoutes:
         body = decode_body(await request.read(), TokenizeRequest)
         if body.model is not None:
             check_model(self.model, body.model)
-        if (body.prompt is None) == (body.messages is None):
+        if body.prompt is None and body.messages is None:
+            raise RequestError("give a prompt or messages", param="prompt")
+        if body.prompt is not None and body.messages is not None:
             raise RequestError("give a prompt or messages, not both", param="prompt")
         if body.prompt is not None:
             text, special = body.prompt, body.add_special_tokens is not False
@@ -210,12 +227,24 @@ class OpenAIRoutes:
             tools = msgspec.to_builtins(body.tools) if body.tools else None
             text = _chat_prompt(body, tools, self.tok)
             special = bool(body.add_special_tokens)
-        tokens = self.tok.encode(text, add_special_tokens=special).tolist()
+        size, limit = len(text.encode()), self.limits.tokenize_bytes
+        if size > limit:
+            raise RequestError(f"the text to tokenize is {size} bytes: at most {limit} "
+                               "(limits.tokenize_bytes)", status=413, param="prompt")
+        if size > _INLINE_TOKENIZE:  # a long text is tokenized off the event loop
+            ids = await asyncio.to_thread(self.tok.encode, text, add_special_tokens=special)
+        else:
+            ids = self.tok.encode(text, add_special_tokens=special)
+        context = self.model.max_context_tokens
+        if ids.size > context:
+            raise RequestError(f"the text is {ids.size} tokens, past the model's context of "
+                               f"{context}", param="prompt", code="context_length_exceeded")
+        tokens = ids.tolist()
         out: dict[str, object] = {"count": len(tokens), "tokens": tokens,
-                                  "max_model_len": self.model.max_context_tokens}
+                                  "max_model_len": context}
         if body.return_token_strs:
             out["token_strs"] = self.tok.token_strs(tokens)
-        return web.json_response(out)
+        return web.Response(body=msgspec.json.encode(out), content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = decode_body(await request.read(), DetokenizeRequest)

@@ -10,7 +10,9 @@ response forks a new branch from it. A response that starts a chain is a branch 
 request without hints, until a second response continues it: a one-off request keeps no KV
 count. The branches end as any idle branch does (``server.branch_idle_s``).
 
-The store is bounded: the least recently used responses are forgotten first.
+The store is bounded in count and in bytes (``limits.stored_responses``,
+``limits.stored_response_bytes``; a response's size is its answer's and its conversation's
+JSON): the least recently used responses are forgotten first.
 """
 
 from __future__ import annotations
@@ -18,23 +20,30 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 
+import msgspec
+
 from evinfra.api.schemas import AgentHints
 
 __all__ = ["ResponseStore", "Stored"]
 
 
 class Stored:
-    __slots__ = ("response", "conversation", "branch")
+    __slots__ = ("response", "conversation", "branch", "size")
 
     def __init__(self, response: dict, conversation: list[dict], branch: str | None) -> None:
         self.response = response
         self.conversation = conversation
         self.branch = branch
+        # What it holds, near enough: its parts shared with the response it continued are
+        # counted again (a bound, not a measure).
+        self.size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(conversation))
 
 
 class ResponseStore:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._items: OrderedDict[str, Stored] = OrderedDict()
         self._tips: dict[str, str] = {}  # branch -> its latest response
 
@@ -49,6 +58,8 @@ class ResponseStore:
 
     def delete(self, rid: str) -> bool:
         s = self._items.pop(rid, None)
+        if s is not None:
+            self.bytes -= s.size
         if s is not None and s.branch is not None and self._tips.get(s.branch) == rid:
             del self._tips[s.branch]
         return s is not None
@@ -73,9 +84,13 @@ class ResponseStore:
         if self.capacity == 0:
             return
         rid = response["id"]
-        self._items[rid] = Stored(response, conversation, branch)
-        self._items.move_to_end(rid)
-        while len(self._items) > self.capacity:
+        self.delete(rid)
+        stored = Stored(response, conversation, branch)
+        if stored.size > self.max_bytes:
+            return  # it alone is past the bound: kept, it would push out every other
+        self._items[rid] = stored
+        self.bytes += stored.size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
             self.delete(next(iter(self._items)))
         if len(self._tips) > 2 * self.capacity:  # tips of responses never stored (failed)
             self._tips = {b: r for b, r in self._tips.items() if r in self._items}

@@ -344,7 +344,8 @@ class ResponsesRoutes:
         self.service = service
         self.tok = tokenizer
         self.model = service.config.model
-        self.store = ResponseStore(service.config.server.stored_responses)
+        limits = service.config.limits
+        self.store = ResponseStore(limits.stored_responses, limits.stored_response_bytes)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.responses)
@@ -355,7 +356,8 @@ class ResponsesRoutes:
         s = self.store.get(rid)
         if s is None:
             raise RequestError(f"no stored response {rid!r}: responses are kept in memory "
-                               f"(the last {self.store.capacity}) and only with store: true",
+                               f"(the last {self.store.capacity}, in at most "
+                               f"{self.store.max_bytes} bytes) and only with store: true",
                                status=400 if param else 404, param=param,
                                code="previous_response_not_found" if param else "not_found")
         return s

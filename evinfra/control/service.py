@@ -222,15 +222,35 @@ class Service:
         with self.bus.running():
             return self.switching.force_split(prefill)
 
-    def cordon(self, node: NodeId, cordoned: bool = True) -> list[RequestId]:
+    def cordon(self, node: NodeId, cordoned: bool = True, force: bool = False
+               ) -> list[RequestId]:
         """An operator takes ``node`` out of routing for maintenance (``POST
         /v1/evinfra/nodes/{node}/cordon``), or puts it back (``.../uncordon``). Its queued
         requests whose prefill has not started are withdrawn and routed elsewhere; what runs
         there finishes, and its KV stays readable by its peers. It keeps its phase; the
         planner's next decisions split the other nodes (as for a node that is down). Returns
-        the withdrawn requests."""
+        the withdrawn requests.
+
+        Cordoning the last routable node of a phase is refused (:class:`RequestError`, 409)
+        unless ``force``: every request would be a 503, its queued ones failed, until an
+        uncordon or the planner's next window."""
+        if cordoned and not force:
+            self._check_cordon(node)
         with self.bus.running():
             return self.switching.cordon(node, cordoned)
+
+    def _check_cordon(self, node: NodeId) -> None:
+        r = self.router
+        if node not in self.nodes or not r.routable(node):
+            return  # unknown (404 below), or out of routing already
+        left = {r.phase(n) for n in self.nodes if n != node and r.routable(n)}
+        for phase in (Phase.PREFILL, Phase.DECODE):
+            if r.phase(node) in (phase, Phase.COLLOCATED) and not left & {phase,
+                                                                         Phase.COLLOCATED}:
+                raise RequestError(
+                    f"cordoning {node} would leave no routable {phase.value} node: every "
+                    "request would be refused until one is uncordoned (force it to cordon "
+                    "anyway)", status=409, param="node", code="last_routable_node")
 
     # -- branches their harness forgot ----------------------------------------------------
 

@@ -18,7 +18,8 @@ from evinfra.drivers.fake.outputs import OutputPlanner
 from evinfra.control import Service
 
 BASE = {
-    "server": {"max_body_bytes": 200_000, "first_token_timeout_s": 5.0, "token_timeout_s": 2.0},
+    "server": {"first_token_timeout_s": 5.0, "token_timeout_s": 2.0},
+    "limits": {"body_bytes": 200_000},
     "cluster": {"nodes": [{"name": f"n{i}"} for i in range(4)], "initial_prefill": 2},
     # Fast fake engines: a test waits milliseconds, not the paper's seconds.
     "fake": {"c0": 0.001, "c1": 1e-6, "c2": 1e-12, "d0": 0.001, "d1": 0.001, "d2": 1e-5,

@@ -27,8 +27,8 @@ async def ask(client, text: str = "hi", tokens: int = 4):
                                              messages=[{"role": "user", "content": text}]))
 
 
-async def cordon(client, node: str, action: str = "cordon") -> dict:
-    r = await client.post(f"/v1/evinfra/nodes/{node}/{action}")
+async def cordon(client, node: str, action: str = "cordon", force: bool = False) -> dict:
+    r = await client.post(f"/v1/evinfra/nodes/{node}/{action}" + ("?force=true" if force else ""))
     assert r.status == 200, await r.text()
     return await r.json()
 
@@ -54,8 +54,17 @@ async def test_a_cordoned_node_gets_no_work_until_uncordoned(client, service):
     nodes.clear()
     assert (await ask(client)).status == 200
     assert nodes == ["n0"]
-    # Every node out: a request has nowhere to go, and the service is not ready.
-    await cordon(client, "n0")
+    # The last routable node: refused with the reason, and nothing changed ...
+    r = await client.post("/v1/evinfra/nodes/n0/cordon")
+    error = (await r.json())["error"]
+    assert r.status == 409 and error["code"] == "last_routable_node", error
+    assert "no routable prefill node" in error["message"] and error["param"] == "node"
+    assert (await ask(client)).status == 200 and nodes == ["n0", "n0"]
+    r = await client.post("/v1/evinfra/nodes/n0/cordon?force=maybe")
+    assert r.status == 400 and (await r.json())["error"]["param"] == "force"
+    # ... unless forced. Every node out: a request has nowhere to go, and the service is
+    # not ready.
+    await cordon(client, "n0", force=True)
     r = await ask(client)
     assert r.status == 503 and "cordoned" in (await r.json())["error"]["message"]
     assert (await client.get("/ready")).status == 503

@@ -86,7 +86,7 @@ async def test_read_back_delete_and_not_stored(client):
     assert (await client.get(f"/v1/responses/{unstored.id}")).status == 404
 
 
-@pytest.mark.parametrize("config_overrides", [{"server": {"stored_responses": 2}}])
+@pytest.mark.parametrize("config_overrides", [{"limits": {"stored_responses": 2}}])
 async def test_the_store_keeps_the_latest(client, config_overrides):
     oa = openai_client(client)
     ids = [(await respond(oa, input=f"q{i}")).id for i in range(3)]

@@ -100,7 +100,7 @@ def test_cordoning_every_prefill_node_refuses_new_requests_and_an_unknown_node_i
         svc.cordon("zz")
     assert unknown.value.status == 404
     svc.cordon("n0")
-    svc.cordon("n1")
+    svc.cordon("n1", force=True)  # the last prefill node: only when forced (below)
     with pytest.raises(NoNodeError, match="cordoned"):
         sim.submit("r0", prompt(640))
     c = sim.counters()
@@ -111,23 +111,40 @@ def test_cordoning_every_prefill_node_refuses_new_requests_and_an_unknown_node_i
     assert s.ok and s.record.prefill_node == "n1"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cordoning the last routable prefill node withdraws its queued, healthy requests with "
-    "nowhere to route them: they fail with NoNodeError (counted failed) instead of staying "
-    "queued there (or the cordon being refused); issue 41, item 3"))
-def test_cordoning_the_last_prefill_node_loses_no_queued_request():
+def test_cordoning_the_last_prefill_node_is_refused_and_loses_no_queued_request():
+    """Issue 41, item 3: cordoning the last routable node of a phase would withdraw its
+    queued, healthy requests with nowhere to route them (they failed) and refuse every new
+    one until an uncordon or the planner's next window. It is refused (409, with the
+    reason) and changes nothing, unless forced."""
     sim = VSim(**SLOW_PREFILL)
     svc = sim.service
     svc.cordon("n0")
     sinks = [sim.submit(f"r{i}", prompt(1500, seed=i)) for i in range(4)]
     assert sim.node("n1")["queued"] == 4
-    svc.cordon("n1")  # maintenance on both prefill nodes
+    with pytest.raises(RequestError, match="no routable prefill node") as refused:
+        svc.cordon("n1")  # maintenance on both prefill nodes
+    assert (refused.value.status, refused.value.code) == (409, "last_routable_node")
+    assert not sim.node("n1")["cordoned"] and sim.node("n1")["queued"] == 4
     sim.run_for(1.0)
     svc.cordon("n0", False)
-    svc.cordon("n1", False)
     sim.run_for(5.0)
     assert sim.counters()["failed"] == 0
     assert all(s.ok for s in sinks)
+
+
+def test_the_last_node_of_each_phase_is_guarded_and_force_cordons_it():
+    sim = VSim(**SLOW_PREFILL)
+    svc = sim.service
+    svc.cordon("n2")  # a decode node; n3 is the last one
+    with pytest.raises(RequestError, match="no routable decode node"):
+        svc.cordon("n3")
+    svc.cordon("n0")
+    assert svc.cordon("n0") == []  # already out of routing: nothing to guard
+    # Control: forced, the old behaviour: n1's queued requests have nowhere to go.
+    sinks = [sim.submit(f"r{i}", prompt(1500, seed=i)) for i in range(3)]
+    assert svc.cordon("n1", force=True) == ["r1", "r2"]
+    sim.run_for(5.0)
+    assert [s.record.status for s in sinks] == ["ok", "NoNodeError", "NoNodeError"]
 
 
 def test_a_decode_order_bound_at_submit_is_aborted_when_its_prefill_cannot_go_anywhere():

@@ -131,7 +131,7 @@ async def test_sglang_engines_answer_after_the_command():
             service.submit(request("r0", n=16), sink)
             await asyncio.sleep(0.1)
             # Withdrawn at once, inside the driver's withdraw, delivered after it.
-            assert service.cordon("p") == ["r0"]
+            assert service.cordon("p", force=True) == ["r0"]  # the only prefill node
             await until(lambda: sink.record is not None)
             assert probe.early() == []
             assert [ev.request for ev in probe.of(Withdrawn)] == ["r0"]  # control

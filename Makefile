@@ -8,10 +8,10 @@ NATIVE_SRC := CMakeLists.txt $(wildcard evinfra/native/src/*)
 $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q -e '.[dev,sglang]'
+	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q -e '.[dev,sglang,ray]'
 	touch $@
 
-.PHONY: install native run sanitize sglang-env test
+.PHONY: install native nginx run sanitize sglang-env test
 install: $(VENV)/.installed
 
 # Rebuild only the native core after editing it (incremental; one build at a time).
@@ -35,5 +35,9 @@ run: install
 
 # pytest's "no tests collected" exit code (5) is a failure, as every other non-zero code.
 # EVINFRA_SGLANG_REQUIRED: the SGLang integration tests fail, rather than skip, without engines.
-test: install sglang-env
-	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q
+# nginx (Debian's, for the partitions' global tier): scripts/install-nginx.sh, idempotent.
+nginx:
+	bash scripts/install-nginx.sh
+
+test: install sglang-env nginx
+	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_NGINX_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q

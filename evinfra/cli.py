@@ -4,6 +4,7 @@
     evinfra simulate --config etc/cluster.toml --workload cc --agents 126 ... --out DIR
     evinfra replay --target URL --workload cc --agents 8 --duration 60 --out DIR
     evinfra experiment fig6 [--quick] [--out DIR] [--jobs N]
+    evinfra partitions nginx --config etc/partitions.toml [--out FILE]
 
 A bad config or argument prints one line and exits with status 2.
 """
@@ -153,10 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     from evinfra.sim.command import add_parser as add_simulate
 
     add_simulate(sub)
+    # --partitions: the simulate command of evinfra/partitions (sim knows nothing of it).
+    from evinfra.partitions.simulate import add_arguments as add_partitioned
+
+    add_partitioned(sub.choices["simulate"])
 
     from evinfra.experiments.command import add_parser as add_experiment
 
     add_experiment(sub)
+
+    from evinfra.partitions.command import add_parser as add_partitions
+
+    add_partitions(sub)
 
     r = sub.add_parser("replay", help="drive an OpenAI-compatible endpoint with agent traffic")
     r.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")

@@ -37,6 +37,7 @@ from evinfra.core.types import Phase
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError
 from evinfra.control import Service
 from evinfra.control.status import status as cluster_status
+from evinfra.partitions.identity import AGENTS_KEY, AgentBook, agents_middleware
 
 __all__ = ["build_app"]
 
@@ -181,7 +182,11 @@ class _Admin:
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.Response(body=msgspec.json.encode(cluster_status(self.service, time.time())),
+        # The agents this partition served (evinfra/partitions/identity.py): nginx in front
+        # binds each to one partition, and this is where an operator sees which.
+        status = {**cluster_status(self.service, time.time()),
+                  "agents": request.app[AGENTS_KEY].status()}
+        return web.Response(body=msgspec.json.encode(status),
                             content_type="application/json")
 
     async def split(self, request: web.Request) -> web.Response:
@@ -221,8 +226,10 @@ def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
     app = web.Application(client_max_size=limits.body_bytes,
                           middlewares=[access_log(metrics.answered), _errors,
                                        auth(service.config.server, _writer),
-                                       _body(limits)])
+                                       _body(limits),
+                                       agents_middleware(book := AgentBook(), service.clock.now)])
     app.on_response_prepare.append(echo_id)
+    app[AGENTS_KEY] = book
     app[_MAX_BODY] = limits.body_bytes
     admin = _Admin(service, metrics)
     OpenAIRoutes(service, tokenizer).add_to(app)

@@ -5,11 +5,11 @@ simulations to run, as :class:`~evinfra.experiments.runs.RunPlan` data) and
 ``report(runs, scale, config_path, seed)`` (tables and plots from their outcomes).
 """
 
-from evinfra.experiments import (calibration, fig2a, fig2b, fig3, fig6, fig7, fig8, table_d1,
-                                 table_d2, table_d4)
+from evinfra.experiments import (calibration, fig2a, fig2b, fig3, fig6, fig7, fig8, fig_d1,
+                                 fig_d2, table_d1, table_d2, table_d4)
 
 EXPERIMENTS = {"calibration": calibration, "fig2a": fig2a, "fig2b": fig2b, "fig3": fig3,
-               "fig6": fig6, "fig7": fig7, "fig8": fig8, "tableD1": table_d1, "tableD2": table_d2,
-               "tableD4": table_d4}
+               "fig6": fig6, "fig7": fig7, "fig8": fig8, "figD1": fig_d1, "figD2": fig_d2,
+               "tableD1": table_d1, "tableD2": table_d2, "tableD4": table_d4}
 
 __all__ = ["EXPERIMENTS"]

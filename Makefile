@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q -e '.[dev,sglang,ray]'
 	touch $@
 
-.PHONY: install native nginx run sanitize sglang-env test
+.PHONY: chromium install native nginx run sanitize sglang-env test
 install: $(VENV)/.installed
 
 # Rebuild only the native core after editing it (incremental; one build at a time).
@@ -39,5 +39,9 @@ run: install
 nginx:
 	bash scripts/install-nginx.sh
 
-test: install sglang-env nginx
+# Chromium (Debian's, headless) for the browser tests: scripts/install-chromium.sh, idempotent.
+chromium:
+	bash scripts/install-chromium.sh
+
+test: install sglang-env nginx chromium
 	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_NGINX_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q

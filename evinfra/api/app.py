@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from evinfra.api.access import access_log, echo_id
 from evinfra.api.anthropic import AnthropicRoutes
+from evinfra.api.dashboard import Dashboard
 from evinfra.api.auth import auth
 from evinfra.api.metrics import Metrics
 from evinfra.api.openai import OpenAIRoutes
@@ -235,6 +236,7 @@ def build_app(service: Service, tokenizer: Tokenizer) -> web.Application:
     OpenAIRoutes(service, tokenizer).add_to(app)
     AnthropicRoutes(service, tokenizer).add_to(app)
     ResponsesRoutes(service, tokenizer).add_to(app)
+    Dashboard(service).add_to(app)
     app.router.add_get("/health", admin.health)
     app.router.add_get("/ready", admin.ready)
     app.router.add_get("/metrics", admin.metrics_)

@@ -1,6 +1,6 @@
 """Who may call what: ``server.api_key`` guards the inference routes, ``server.admin_key`` the
 routes that change the cluster (split, cordon, branch end); ``/health``, ``/ready``,
-``/metrics`` and the API description are open.
+``/metrics``, the API description and the dashboard (to look, not to act) are open.
 
 An operator who sets an API key wants the admin routes guarded too: with ``api_key`` set and
 no ``admin_key`` they are refused (403) to every caller, the user key included. Both keys empty
@@ -15,13 +15,15 @@ import ipaddress
 
 from aiohttp import web
 
+from evinfra.api.dashboard import OPEN_PATHS as DASHBOARD
 from evinfra.config import ServerConfig
 from evinfra.errors import EvinfraError
 
 __all__ = ["ADMIN", "OPEN", "auth", "exposure", "is_loopback"]
 
 ADMIN = ("/v1/evinfra/split", "/v1/evinfra/nodes/", "/v1/branches/")
-OPEN = ("/health", "/ready", "/metrics", "/openapi.json")
+# The dashboard is for looking: its page, assets and JSON need no key (issue 42).
+OPEN = ("/health", "/ready", "/metrics", "/openapi.json", *DASHBOARD)
 ADMIN_OFF = ("the admin routes are disabled: server.api_key is set and server.admin_key is "
              "not (set an admin key to use them)")
 

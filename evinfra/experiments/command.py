@@ -18,6 +18,7 @@ import msgspec
 from evinfra.config import load_config
 from evinfra.errors import ConfigError
 from evinfra.experiments import EXPERIMENTS
+from evinfra.experiments.html import write_html
 from evinfra.experiments.report import write
 from evinfra.experiments.runs import RunOutcome, RunPlan, execute, run_plans
 from evinfra.experiments.scale import FULL, QUICK
@@ -144,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         report = msgspec.structs.replace(
             report, notes=report.notes + [f"Not played: {', '.join(missing)}."])
     files = write(out, report, plots, wall=time.perf_counter() - t0)
+    files.append(write_html(out, report, [name for name, _ in plots]))
     print((out / "results.md").read_text())
     speed = getattr(experiment, "speed", None)
     if speed is not None:  # wall time against simulated time: printed, never in results.json

@@ -13,6 +13,7 @@ from evinfra.baselines import POLICIES
 from evinfra.config import Config, load_config
 from evinfra.errors import ConfigError
 from evinfra.sim.harness import RunSpec, simulate
+from evinfra.sim.html import write_html
 from evinfra.sim.report import Report, RunInfo, write_report
 from evinfra.workloads.summary import summarise
 from evinfra.workloads import (GENERATORS, Phase, make_workload, paper_shift, poisson_arrivals,
@@ -39,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "infers their branches (server.infer_branches)")
     s.add_argument("--policy", choices=POLICIES,
                    help="the system to run (default: the config's [policy] name, evinfra)")
-    s.add_argument("--out", required=True, help="directory for report.json, report.md, plots")
+    s.add_argument("--out", required=True, help="directory for report.json, report.md, report.html, plots")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
     s.set_defaults(func=run)
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                             nodes, f"{p}P{nodes - p}D", load, spec.hints),
                     summary, result.control.summarise(start, end), by)
     write_report(out, report, result.records, result.wall_seconds)
+    write_html(out, report)
     s = summary
     print(f"{spec.label}: {s.requests} requests, {s.throughput:.3g} req/s, E2E mean {s.e2e.mean:.3g} s, "
           f"TTFT P95 {s.ttft.p95:.3g} s, lost KV reuse {100 * s.lost_kv_reuse:.2f} %, "

@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml $(NATIVE_SRC)
 	flock /tmp/evinfra-native-build.lock $(PY) -m pip install -q -e '.[dev,sglang,ray]'
 	touch $@
 
-.PHONY: chromium install native nginx run sanitize sglang-env test
+.PHONY: chromium install native nginx run sanitize sglang-env test test-heavy
 install: $(VENV)/.installed
 
 # Rebuild only the native core after editing it (incremental; one build at a time).
@@ -44,4 +44,9 @@ chromium:
 	bash scripts/install-chromium.sh
 
 test: install sglang-env nginx chromium
-	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_NGINX_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q
+	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_NGINX_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q -m "not heavy"
+
+# The tests marked heavy (minutes of CPU each: a tp=2 SGLang engine, an experiment on Ray),
+# kept out of CI's time; run them before changing what they cover.
+test-heavy: install sglang-env
+	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q -m heavy

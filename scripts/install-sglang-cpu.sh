@@ -64,6 +64,14 @@ need_ibverbs() {
   ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'librdmacm.so.1 '
 }
 
+# The engine patch's cross-host test makes its two hosts with `ip netns` (iproute2); as root
+# only (the test needs root, and skips without it).
+if [ "$(id -u)" = 0 ] && ! command -v ip >/dev/null; then
+  echo "install-sglang-cpu: installing iproute2 (Debian)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+fi
+
 if [ -f "$VENV/.sglang-installed" ] && [ "$(cat "$VENV/.sglang-installed")" = "$(stamp_text)" ] \
     && ! need_ibverbs \
     && "$PY" -c "import importlib.metadata as m; assert m.version('sglang') == '0.5.23'" 2>/dev/null; then

@@ -99,13 +99,12 @@ class EnginePatch:
     def _start_pool(self) -> None:
         from evinfra.engine_patch.pool import PoolServer, transfer_engine
 
-        sa = self.scheduler.server_args
-        bind = sa.host if sa.host not in (None, "", "0.0.0.0", "::") else "0.0.0.0"
-        advertise = self.settings.pool_host or (
-            sa.host if sa.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1")
         try:
-            self.pool = PoolServer(self.scheduler.tree_cache, transfer_engine(), bind,
-                                   advertise, self.settings.pool_port)
+            engine = transfer_engine()
+            bind, advertise = self.settings.pool_endpoint(self.scheduler.server_args.host,
+                                                          engine.get_session_id())
+            self.pool = PoolServer(self.scheduler.tree_cache, engine, bind, advertise,
+                                   self.settings.pool_port)
         except Exception as exc:  # noqa: BLE001 - the rest of the patch still works
             log.exception("evinfra pool server failed to start")
             self.disabled["pool"] = f"failed to start: {exc}"
@@ -121,7 +120,8 @@ class EnginePatch:
             host_tier="evict" not in self.disabled or "pool" not in self.disabled,
             kv_resync=(KV_RESYNC_PATH if tree_ops.can_republish(self.scheduler.tree_cache)
                        else None),
-            iterations=ITERATIONS_PATH if self.iterations is not None else None)
+            iterations=ITERATIONS_PATH if self.iterations is not None else None,
+            drain_timeout_s=self.settings.drain_timeout_s if self.switch is not None else None)
 
     def init_info(self) -> dict:
         info = self.info()

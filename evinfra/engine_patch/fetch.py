@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from evinfra.core.hashing import PathHasher
-from evinfra.engine_patch import tree_ops
+from evinfra.engine_patch import faults, tree_ops
 from evinfra.engine_patch.fetch_plan import Segment, segments
 from evinfra.engine_patch.pull import Pull, Pulled, Puller
 from evinfra.engine_patch.wire import HostLayout, WireError, find_fetch_plan
@@ -285,6 +285,8 @@ class Fetcher:
             self.host.free(slots[pages * P:])
         inserted = None
         if pages > 0:
+            if faults.armed("fetch"):
+                faults.zero_host_slots(self.layout, slots[: pages * P])
             lo, hi = job.local_pages, job.local_pages + pages
             inserted = tree_ops.insert_host_pages(
                 tc, job.anchor if job.anchor is not None else tc.tree_core.root_node.id,

@@ -27,28 +27,32 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
 def host_layout(name: str, base: int, slots: int, layers: int, token_bytes: int,
-                page_size: int) -> HostLayout:
+                page_size: int, planes: int = 2) -> HostLayout:
     """The strides of SGLang's host layout ``name`` for a buffer of ``slots`` token slots.
 
-    Dims (SGLang ``MHATokenToKVPoolHost.init_kv_buffer``): ``layer_first`` is
+    Dims (SGLang ``MHATokenToKVPoolHost.init_kv_buffer``, ``planes`` = 2): ``layer_first`` is
     ``[2, layers, slots, heads, dim]``, ``page_first`` ``[2, slots, layers, heads, dim]``,
-    ``page_first_direct`` ``[2, slots / page, layers, page, heads, dim]``.
+    ``page_first_direct`` ``[2, slots / page, layers, page, heads, dim]``. An MLA host pool
+    (``MLATokenToKVPoolHost``, ``planes`` = 1) has the same dims without the leading 2 (and
+    with ``heads`` = 1, ``dim`` = the latent plus the rope part).
     """
     tb, L, P = token_bytes, layers, page_size
+    if planes not in (1, 2):
+        raise ValueError(f"{planes} KV planes: 2 (MHA: K and V) or 1 (MLA)")
     if slots % P:
         raise ValueError(f"host slots ({slots}) must be a multiple of the page size ({P})")
     if name == "layer_first":
         return HostLayout(name, base, kv_stride=L * slots * tb, layer_stride=slots * tb,
                           page_stride=P * tb, slot_stride=tb, token_bytes=tb, layers=L,
-                          page_size=P, slots=slots)
+                          page_size=P, slots=slots, planes=planes)
     if name == "page_first":
         return HostLayout(name, base, kv_stride=slots * L * tb, layer_stride=tb,
                           page_stride=P * L * tb, slot_stride=L * tb, token_bytes=tb,
-                          layers=L, page_size=P, slots=slots)
+                          layers=L, page_size=P, slots=slots, planes=planes)
     if name == "page_first_direct":
         return HostLayout(name, base, kv_stride=slots * L * tb, layer_stride=P * tb,
                           page_stride=L * P * tb, slot_stride=tb, token_bytes=tb, layers=L,
-                          page_size=P, slots=slots)
+                          page_size=P, slots=slots, planes=planes)
     raise ValueError(f"host layout {name!r} is not supported by the shared pool "
                      f"(supported: {', '.join(LAYOUTS)})")
 
@@ -95,7 +99,7 @@ def transfer_chunks(local: HostLayout, remote: HostLayout, local_slots: Sequence
     per_layer = all(x.slot_stride == tb for x in (local, remote))
     all_layers = all(x.layer_stride == tb and x.slot_stride == L * tb for x in (local, remote))
     for ls, rs, n in runs:
-        for kv in (0, 1):
+        for kv in range(lay.planes):
             if all_layers:
                 la.append(address(local, kv, 0, ls))
                 ra.append(address(remote, kv, 0, rs))

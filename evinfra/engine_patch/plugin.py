@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from evinfra.engine_patch import compat
 from evinfra.engine_patch.settings import ENABLE_ENV, PatchSettings, enabled
 
 __all__ = ["register"]
@@ -59,71 +60,115 @@ log = logging.getLogger("evinfra.engine_patch")
 _SETTINGS: PatchSettings | None = None
 _PATCH: Any = None  # the EnginePatch of this scheduler process
 _TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+_REGISTERED: list[str] = []  # the targets this process registered hooks on
 
 
 def register() -> None:
-    """SGLang's plugin entry point."""
+    """SGLang's plugin entry point.
+
+    Checks this SGLang against the patch (:mod:`~evinfra.engine_patch.compat`) before it
+    registers anything: on a mismatch the process exits with the list of problems (SGLang's
+    loader catches exceptions, not ``SystemExit``), or, with ``EVINFRA_PATCH_ON_MISMATCH=
+    stock``, registers nothing after a loud warning. The server process checks every target
+    of every process, so a wrong SGLang stops before any engine process starts."""
     global _SETTINGS
+    server = multiprocessing.parent_process() is None
     if not enabled():
-        if multiprocessing.parent_process() is None:
+        if server:
             # SGLang loads plugins before it configures logging: say it on stderr, once.
             print(f"evinfra engine patch: installed, disabled ({ENABLE_ENV} is not 1): "
                   "no hook registered, stock SGLang", file=sys.stderr, flush=True)
         return
     _SETTINGS = settings = PatchSettings.from_env()
+    if not server and "sglang.srt.managers.scheduler" not in sys.modules:
+        return  # detokenizer and other helpers: nothing to patch there
+    table = hook_table(settings)
+    mine = [h for h in table if (h[3] == "server") == server]
+    if not _fits(settings, [h[0] for h in (table if server else mine)]):
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if (settings.on("evict") or settings.on("pool")) and _TREE_CORE_ENV not in os.environ:
         # The host-eviction hook and the pool's tree walks need the Python TreeCore (see
         # tree_ops); children inherit the variable.
         os.environ[_TREE_CORE_ENV] = "python"
-    reg = HookRegistry.register
-    if multiprocessing.parent_process() is None:
-        reg("sglang.srt.entrypoints.http_server.launch_server", _before_launch_server,
-            HookType.BEFORE)
-        log.info("evinfra engine patch enabled (server process): %s", sorted(settings.features))
-        return
-    if "sglang.srt.managers.scheduler" not in sys.modules:
-        return  # detokenizer and other helpers: nothing to patch there
+    for target, fn, kind, _ in mine:
+        HookRegistry.register(target, fn, HookType[kind])
+    _REGISTERED[:] = [h[0] for h in mine]
+    log.info("evinfra engine patch enabled (%s process, %d hooks): %s",
+             "server" if server else "scheduler", len(mine), sorted(settings.features))
+
+
+def _fits(settings: PatchSettings, targets: list[str]) -> bool:
+    """True when the patch fits this SGLang; else exit (refuse) or False (run stock)."""
+    from sglang.version import __version__
+
+    found = compat.problems(__version__, targets)
+    if not found:
+        return True
+    return _mismatch(settings, compat.PatchMismatch(found))
+
+
+def _mismatch(settings: PatchSettings, err: compat.PatchMismatch) -> bool:
+    if settings.on_mismatch == "stock":
+        banner = "!" * 78
+        print(f"{banner}\nWARNING: {err}\nWARNING: {compat.ON_MISMATCH_ENV}=stock: this engine "
+              f"runs STOCK SGLang, without the evinfra engine patch.\n{banner}",
+              file=sys.stderr, flush=True)
+        log.critical("evinfra engine patch NOT applied (%s=stock): %s",
+                     compat.ON_MISMATCH_ENV, err.found)
+        return False
+    print(str(err), file=sys.stderr, flush=True)
+    raise SystemExit(str(err))
+
+
+def hook_table(settings: PatchSettings) -> list[tuple[str, Callable, str, str]]:
+    """Every hook the patch registers with ``settings``: ``(target, hook, HookType name,
+    process)``, process ``server`` or ``scheduler``."""
     S = "sglang.srt.managers.scheduler.Scheduler."
-    reg(S + "__init__", _after_scheduler_init, HookType.AFTER)
-    reg(S + "get_init_info", _after_init_info, HookType.AFTER)
-    reg(S + "get_internal_state", _after_internal_state, HookType.AFTER)
-    reg(S + "handle_rpc_request", _around_rpc, HookType.AROUND)
-    reg(S + "process_input_requests", _after_process_input, HookType.AFTER)
-    reg(S + "is_fully_idle", _after_is_fully_idle, HookType.AFTER)
+    out = [("sglang.srt.entrypoints.http_server.launch_server", _before_launch_server,
+            "BEFORE", "server")]
+
+    def reg(target: str, fn: Callable, kind: str) -> None:
+        out.append((target, fn, kind, "scheduler"))
+
+    reg(S + "__init__", _after_scheduler_init, "AFTER")
+    reg(S + "get_init_info", _after_init_info, "AFTER")
+    reg(S + "get_internal_state", _after_internal_state, "AFTER")
+    reg(S + "handle_rpc_request", _around_rpc, "AROUND")
+    reg(S + "process_input_requests", _after_process_input, "AFTER")
+    reg(S + "is_fully_idle", _after_is_fully_idle, "AFTER")
     if settings.on("switch"):
-        reg(S + "handle_pd_role_switch", _around_role_switch, HookType.AROUND)
+        reg(S + "handle_pd_role_switch", _around_role_switch, "AROUND")
         reg("sglang.srt.disaggregation.role_switch._release_prefix_cache_for_role_switch",
-            _around_release_prefix_cache, HookType.AROUND)
-    reg(S + "_add_request_to_queue", _around_add_request, HookType.AROUND)
+            _around_release_prefix_cache, "AROUND")
+    reg(S + "_add_request_to_queue", _around_add_request, "AROUND")
     if settings.on("iterations"):
-        reg(S + "process_batch_result", _after_process_batch_result, HookType.AFTER)
+        reg(S + "process_batch_result", _after_process_batch_result, "AFTER")
     if settings.on("fetch"):
         reg("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.pop_bootstrapped",
-            _after_pop_bootstrapped, HookType.AFTER)
-        reg(S + "abort_request", _before_abort, HookType.BEFORE)
-        reg(S + "run_batch", _before_run_batch, HookType.BEFORE)
+            _after_pop_bootstrapped, "AFTER")
+        reg(S + "abort_request", _before_abort, "BEFORE")
+        reg(S + "run_batch", _before_run_batch, "BEFORE")
         reg("sglang.srt.managers.scheduler_components.output_streamer."
             "SchedulerOutputStreamer.get_cached_tokens_details", _after_cached_details,
-            HookType.AFTER)
+            "AFTER")
     if settings.on("pool") or settings.on("evict"):
         reg("sglang.srt.disaggregation.decode_hicache_mixin.DecodeHiCachePreallocMixin."
-            "_build_decode_prefix_match", _after_decode_prefix_match, HookType.AFTER)
+            "_build_decode_prefix_match", _after_decode_prefix_match, "AFTER")
     if settings.on("evict"):
         reg("sglang.srt.mem_cache.unified_cache.components.full.FullComponent."
-            "drive_host_eviction", _around_drive_host_eviction, HookType.AROUND)
+            "drive_host_eviction", _around_drive_host_eviction, "AROUND")
     if settings.on("cpu_host"):
-        from evinfra.engine_patch import host_tier
+        from evinfra.engine_patch import host_tier  # (torch: engine processes only)
 
         reg("sglang.srt.mem_cache.pool_host.common._cuda_host_register",
-            host_tier.cuda_host_register, HookType.AROUND)
+            host_tier.cuda_host_register, "AROUND")
         H = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost."
-        reg(H + "load_to_device_per_layer", host_tier.load_to_device_per_layer,
-            HookType.AROUND)
+        reg(H + "load_to_device_per_layer", host_tier.load_to_device_per_layer, "AROUND")
         reg(H + "backup_from_device_all_layer", host_tier.backup_from_device_all_layer,
-            HookType.AROUND)
-    log.info("evinfra engine patch enabled (scheduler process): %s", sorted(settings.features))
+            "AROUND")
+    return out
 
 
 def _patch_of(scheduler: Any) -> Any:
@@ -149,11 +194,22 @@ def _after_scheduler_init(result, self, *args, **kwargs):
     global _PATCH
     from evinfra.engine_patch.engine import EnginePatch
 
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    settings = _SETTINGS or PatchSettings()
+    self._evinfra = None
+    # SGLang logs a hook it could not apply and carries on: a partial patch is refused here.
+    missing = compat.unapplied(_REGISTERED, HookRegistry._patched)
+    if missing and _mismatch(settings, compat.PatchMismatch(missing)) is False:
+        return None  # (stock: the hooks that did apply find no patch and call the original)
     try:
-        self._evinfra = _PATCH = EnginePatch(self, _SETTINGS or PatchSettings())
-    except Exception:  # noqa: BLE001 - never take the engine down: it serves stock
-        log.exception("evinfra engine patch failed to start: this engine runs stock")
-        self._evinfra = None
+        self._evinfra = _PATCH = EnginePatch(self, settings)
+    except Exception as exc:
+        if settings.on_mismatch != "stock":
+            raise RuntimeError(f"evinfra engine patch failed to start: {exc} (set "
+                               f"{compat.ON_MISMATCH_ENV}=stock to serve stock instead)") from exc
+        log.critical("evinfra engine patch failed to start; %s=stock: this engine runs STOCK",
+                     compat.ON_MISMATCH_ENV, exc_info=True)
     return None
 
 

@@ -59,16 +59,32 @@ def kv_host_pool(host_pool: Any) -> Any:
 
 
 def host_layout_of(host_pool: Any) -> HostLayout:
-    """The :class:`HostLayout` of SGLang's MHA host pool (MLA and hybrid pools are not
-    supported by the shared pool: :func:`host_layout` raises)."""
+    """The :class:`HostLayout` of SGLang's MHA host pool (a K and a V plane) or MLA host pool
+    (``MLATokenToKVPoolHost``: one latent row per token and layer). Hybrid groups, FP8/FP4
+    packed MLA rows and layouts other than :data:`~evinfra.engine_patch.layout.LAYOUTS`
+    raise."""
     host_pool = kv_host_pool(host_pool)
     buf = host_pool.kv_buffer
-    if not hasattr(host_pool, "head_num") or buf is None or buf.dim() < 2 or buf.shape[0] != 2:
-        raise ValueError(f"{type(host_pool).__name__}: only MHA host pools (one K and one V "
-                         "plane) are supported by the shared pool")
-    token_bytes = host_pool.head_num * host_pool.head_dim * host_pool.dtype.itemsize
+    if buf is None:
+        raise ValueError(f"{type(host_pool).__name__}: no host buffer (allocator-only pool)")
+    if hasattr(host_pool, "kv_lora_rank"):  # MLA
+        if getattr(host_pool, "dsa_kv_cache_store_fp8", False) or \
+                getattr(host_pool, "_native_buffers", None) is not None:
+            raise ValueError("packed or split MLA host rows are not served by the shared pool")
+        token_bytes = host_pool.kv_cache_dim * host_pool.dtype.itemsize
+        planes = 1
+    elif hasattr(host_pool, "head_num") and buf.dim() >= 2 and buf.shape[0] == 2:
+        token_bytes = host_pool.head_num * host_pool.head_dim * host_pool.dtype.itemsize
+        planes = 2
+    else:
+        raise ValueError(f"{type(host_pool).__name__}: the shared pool serves MHA and MLA "
+                         "host pools only")
+    if buf.numel() * buf.element_size() != planes * host_pool.layer_num * host_pool.size * \
+            token_bytes:
+        raise ValueError(f"{type(host_pool).__name__}: host buffer of {tuple(buf.shape)} is "
+                         "not the layout the pool addresses")
     return host_layout(host_pool.layout, buf.data_ptr(), host_pool.size, host_pool.layer_num,
-                       token_bytes, host_pool.page_size)
+                       token_bytes, host_pool.page_size, planes)
 
 
 def transfer_engine() -> Any:

@@ -38,6 +38,9 @@ from typing import Any
 
 import msgspec
 
+from evinfra.engine_patch import faults
+from evinfra.engine_patch.ranks import all_ranks
+
 __all__ = ["SwitchController", "SwitchRecord", "running_requests"]
 
 log = logging.getLogger("evinfra.engine_patch.switch")
@@ -184,8 +187,11 @@ class SwitchController:
             return False
         s = self.scheduler
         now = time.monotonic()
-        if not s.is_fully_idle():
-            if now - p.t0 > self.drain_timeout_s:
+        # Every TP rank flips in the same iteration, or none does (``ranks``).
+        idle, in_time = all_ranks([s.is_fully_idle(), now - p.t0 <= self.drain_timeout_s],
+                                  getattr(s, "tp_cpu_group", None))
+        if not idle:
+            if not in_time:
                 self._finish(p, ok=False, t_idle=now, t_ready=now,
                              message=f"drain did not finish in {self.drain_timeout_s:g} s; "
                                      f"the engine keeps its role {p.old_role}")
@@ -203,6 +209,8 @@ class SwitchController:
             get_context().override("role_switch.flip", disaggregation_mode=p.new_role)
             s.init_disaggregation()
             s._sync_disaggregation_mode_to_subcomponents()
+            if faults.armed("switch"):
+                faults.zero_kv_pools(s)
         except Exception as exc:  # noqa: BLE001 - as stock SGLang: no rollback possible
             s._pd_role_switch_unhealthy = True
             log.critical("evinfra switch %s -> %s failed during teardown/rebuild: %s",

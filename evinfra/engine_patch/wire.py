@@ -42,10 +42,10 @@ from typing import Annotated, Any, Mapping
 import msgspec
 
 __all__ = [
-    "COUNT_HINTS_PATH", "FETCH_ACTION", "FETCH_VERSION", "ITERATIONS_PATH", "KV_RESYNC_PATH",
-    "STATUS_PATH", "CountHints", "FetchPlan", "FetchRunWire", "HostLayout", "IterationLog",
-    "IterationRecord", "LeaseReply", "LeaseRequest", "PatchInfo", "Release", "WireError",
-    "decode_count_hints", "decode_iterations", "fetch_kv_hints", "find_fetch_plan",
+    "COUNT_HINTS_PATH", "DRAIN_TIMEOUT_S", "FETCH_ACTION", "FETCH_VERSION", "ITERATIONS_PATH",
+    "KV_RESYNC_PATH", "STATUS_PATH", "CountHints", "FetchPlan", "FetchRunWire", "HostLayout",
+    "IterationLog", "IterationRecord", "LeaseReply", "LeaseRequest", "PatchInfo", "Release",
+    "WireError", "decode_count_hints", "decode_iterations", "fetch_kv_hints", "find_fetch_plan",
     "restored_tokens",
 ]
 
@@ -55,6 +55,9 @@ KV_RESYNC_PATH = "/evinfra/kv_resync"
 ITERATIONS_PATH = "/evinfra/iterations"
 FETCH_ACTION = "evinfra.fetch"
 FETCH_VERSION = "1"
+DRAIN_TIMEOUT_S = 300.0
+"""Default drain limit of an in-place switch (``EVINFRA_DRAIN_TIMEOUT_S``); an engine
+advertises its own in :attr:`PatchInfo.drain_timeout_s`."""
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -229,6 +232,9 @@ class PatchInfo(msgspec.Struct, frozen=True):
     """Path of the call that makes the engine republish its whole cache as KV events."""
     iterations: str | None = None
     """Path of the engine's log of forward passes (:class:`IterationLog`)."""
+    drain_timeout_s: float | None = None
+    """The longest an in-place switch drains before it fails (the engine's
+    ``EVINFRA_DRAIN_TIMEOUT_S``): a driver waits for a switch at least this long."""
 
 
 # -- the pool's lease protocol (engine to engine) ------------------------------------------
@@ -244,8 +250,9 @@ class HostLayout(msgspec.Struct, frozen=True):
 
     which covers SGLang's host layouts ``layer_first`` (page_stride = page * slot_stride),
     ``page_first`` and ``page_first_direct``. ``token_bytes`` is one layer's K (or V) of one
-    token. Two engines exchange KV only when their layout name, ``token_bytes``, ``layers``
-    and ``page_size`` match (:meth:`geometry`).
+    token. ``planes`` is 2 for MHA (K and V) and 1 for MLA (one latent per token and layer,
+    ``kv_stride`` unused). Two engines exchange KV only when their layout name, planes,
+    ``token_bytes``, ``layers`` and ``page_size`` match (:meth:`geometry`).
     """
 
     name: str
@@ -258,9 +265,10 @@ class HostLayout(msgspec.Struct, frozen=True):
     layers: int
     page_size: int
     slots: int
+    planes: int = 2
 
     def geometry(self) -> tuple:
-        return (self.name, self.token_bytes, self.layers, self.page_size)
+        return (self.name, self.planes, self.token_bytes, self.layers, self.page_size)
 
 
 class LeaseRequest(msgspec.Struct, tag="lease", frozen=True):

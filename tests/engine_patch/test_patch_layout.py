@@ -84,3 +84,13 @@ def test_geometries_must_match():
     assert transfer_chunks(a, b, [0], [5])[2] == [TB] * 2 * L
     with pytest.raises(ValueError, match="geometry"):
         transfer_chunks(a, host_layout("layer_first", 0, SLOTS, L + 1, TB, P), [0], [0])
+
+
+def test_an_mla_layout_has_one_plane_and_never_meets_an_mha_one():
+    mla = host_layout("layer_first", 0, SLOTS, L, TB, P, planes=1)
+    assert mla.planes == 1 and transfer_chunks(mla, mla, [0], [5])[2] == [TB] * L
+    mha = host_layout("layer_first", 0, SLOTS, L, TB, P)
+    with pytest.raises(ValueError, match="geometry"):
+        transfer_chunks(mla, mha, [0], [0])
+    with pytest.raises(ValueError, match="planes"):
+        host_layout("layer_first", 0, SLOTS, L, TB, P, planes=3)

@@ -36,3 +36,18 @@ def test_knobs():
         PatchSettings.from_env({"EVINFRA_LEASE_TTL_S": "-1"})
     with pytest.raises(ValueError, match="not a number"):
         PatchSettings.from_env({"EVINFRA_DRAIN_TIMEOUT_S": "soon"})
+
+
+def test_the_pool_advertises_an_address_its_peers_reach():
+    s = PatchSettings.from_env({})
+    # Behind a wildcard bind: the host of the Mooncake session (never loopback).
+    assert s.pool_endpoint("0.0.0.0", "10.77.0.2:15891") == ("0.0.0.0", "10.77.0.2")
+    assert s.pool_endpoint(None, "[fd00::2]:15891") == ("0.0.0.0", "fd00::2")
+    # An explicit bind address is what peers dial.
+    assert s.pool_endpoint("10.77.0.3", "10.77.0.3:1") == ("10.77.0.3", "10.77.0.3")
+    assert s.pool_endpoint("127.0.0.1", "192.0.2.2:1") == ("127.0.0.1", "127.0.0.1")
+    # The operator's word wins.
+    o = PatchSettings.from_env({"EVINFRA_POOL_HOST": "pool.node7"})
+    assert o.pool_endpoint("0.0.0.0", "10.77.0.2:1") == ("0.0.0.0", "pool.node7")
+    with pytest.raises(ValueError, match="EVINFRA_POOL_HOST"):
+        s.pool_endpoint("0.0.0.0", "15891")

@@ -1,8 +1,14 @@
 """The evinfra engine patch on two real SGLang 0.5.23 engines on CPU (``evinfra/engine_patch``).
 
 Engine ``a`` starts as prefill, ``b`` as decode; both run the patch with a HiCache host tier
-(``HICACHE_ARGS``: 2048 device tokens, about 4100 host slots). The tests share the pair and run
-in order:
+(``HICACHE_ARGS``: 2048 device tokens, about 4100 host slots) and serve the context-sensitive
+model of ``sglang_cpu/context_model.py`` (real weights at a realistic scale: the output depends
+on the KV the engine attends to). Each equivalence test first checks that a prompt with another
+prefix gives another output (``assert_context_matters``), then that local, fetched and kept KV
+give the same greedy tokens, and log-probabilities within ``LOGPROB_TOL``; the tests ``..._
+corrupted_...`` arm the patch's test-only corruption (``engine_patch/faults.py``: zeroed fetched
+pages, a zeroed kept cache) and check that the same comparison then fails. The tests share the
+pair and run in order:
 
 * the engines advertise the patch;
 * a prefill pulls a prefix from the decode engine's host memory while it waits in its queue
@@ -35,21 +41,41 @@ import numpy as np
 import pytest
 
 from conftest import ServiceThread, _require_sglang, sglang_config
-from engines import HICACHE_ARGS, PAGE_SIZE, SERVED_NAME, Engine
+from context_model import write_context_model_dir
+from engines import HICACHE_ARGS, PAGE_SIZE, SERVED_NAME, Engine, sglang_python
 from evinfra.core.hashing import block_hashes
 from pd_client import generate, http
 
 pytestmark = pytest.mark.sglang
 
 P = PAGE_SIZE
+LP = 49
+"""``logprob_start`` of the equivalence tests: log-probabilities of the prompt's tokens from
+position 49 on, after its 48-token (12-page) prefix; SGLang then reuses at most 49 cached
+tokens, i.e. the prefix's 12 pages."""
 KV_REPLAY_STEPS = 8  # short, so that a driver started late cannot replay the engines' history
+LOGPROB_TOL = 1e-3
+"""Largest difference between the log-probabilities of an output token computed on local,
+fetched or kept KV (float32; zeroed prefix KV moved them by 0.10 to 0.16, measured)."""
+CORRUPT = "corrupt-kv"
+"""The file named by ``EVINFRA_TEST_CORRUPT_KV`` in the engines' model directory."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The context-sensitive model (this module's ``model_dir``: the stock tests keep the
+    dummy-weight one)."""
+    _require_sglang()
+    return write_context_model_dir(tmp_path_factory.mktemp("context-llama"), sglang_python())
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
     _require_sglang()
     logs = Path(os.environ.get("EVINFRA_SGLANG_LOGS") or tmp_path_factory.mktemp("patch-logs"))
-    es = {n: Engine(n, role, model_dir, logs, patch=True, extra_args=HICACHE_ARGS,
+    env = {"EVINFRA_TEST_CORRUPT_KV": str(model_dir / CORRUPT)}
+    es = {n: Engine(n, role, model_dir, logs, patch=True,
+                    extra_args=HICACHE_ARGS + ("--load-format", "safetensors"), env=env,
                     max_total_tokens=2048, kv_replay_steps=KV_REPLAY_STEPS)
           for n, role in (("a", "prefill"), ("b", "decode"))}
     try:
@@ -112,6 +138,54 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
+def assert_context_matters(a: Engine, b: Engine, prompt: list[int], prefix_len: int,
+                           base: dict) -> None:
+    """The control of an equivalence: the same tail after another prefix gives another
+    output, so equal outputs below do say the prefix's KV was right."""
+    other = tokens(prompt[0] * 7919 + 1, prefix_len) + prompt[prefix_len:]
+    if "input_logprobs" not in base:
+        out = gen(a, b, other, len(base["output_ids"]))["output_ids"]
+        assert out != base["output_ids"], "the model ignores its context: equality says nothing"
+        return
+    diffs = differences(gen(a, b, other, len(base["output_ids"]), logprob_start=LP), base)
+    assert "tokens" in diffs and any(d.startswith("input_logprobs") for d in diffs), diffs
+
+
+def differences(r: dict, base: dict) -> list[str]:
+    """How ``r`` differs from ``base`` (both asked with ``logprob_start``): the greedy tokens,
+    the prefill engine's log-probabilities of the prompt's tail (computed on the prefix's KV
+    on that engine: local, fetched or kept), the decode engine's of the output."""
+    out = []
+    if r["output_ids"] != base["output_ids"]:
+        out.append("tokens")
+    for key in ("input_logprobs", "logprobs"):
+        a, b = r[key], base[key]
+        # (SGLang gives no log-probability for the first token it is asked about: None.)
+        numbers = [(x, y) for x, y in zip(a, b) if x is not None or y is not None]
+        assert len(a) == len(b) and len(numbers) >= len(a) - 1 >= 1, (key, a, b)
+        diff = max(abs(x - y) if None not in (x, y) else float("inf") for x, y in numbers)
+        if diff > LOGPROB_TOL:
+            out.append(f"{key} (max diff {diff:.4f})")
+    return out
+
+
+def assert_same_output(r: dict, base: dict) -> None:
+    assert differences(r, base) == []
+
+
+class corrupted:
+    """Arm the engines' test-only KV corruption (``fetch`` or ``switch``) for a block."""
+
+    def __init__(self, model_dir: Path, what: str) -> None:
+        self.path, self.what = model_dir / CORRUPT, what
+
+    def __enter__(self):
+        self.path.write_text(self.what)
+
+    def __exit__(self, *exc):
+        self.path.unlink()
+
+
 def test_the_engines_advertise_the_patch(pair):
     for e in pair.values():
         info = http("GET", e.url + "/server_info")[1]
@@ -129,8 +203,9 @@ def test_a_queued_prefill_pulls_its_prefix_from_a_peers_host_memory(pair):
     """Output equivalence (computed locally / fetched from a peer) and the fetch's timing."""
     a, b = pair["a"], pair["b"]
     prompt = tokens(1, 48) + tokens(2, 9)  # 12 full pages of prefix, then a tail
-    base = gen(a, b, prompt, 8)
+    base = gen(a, b, prompt, 8, logprob_start=LP)
     assert base["prefill"]["cached_tokens"] == 0  # computed from scratch
+    assert_context_matters(a, b, prompt, 48, base)
     # Each engine logs its passes: a's prefill of the prompt, b's decode steps.
     passes = http("GET", a.url + "/evinfra/iterations?after=-1")[1]["records"]
     mine = [(rec, item) for rec in passes for item in rec.get("prefill", [])
@@ -140,9 +215,9 @@ def test_a_queued_prefill_pulls_its_prefix_from_a_peers_host_memory(pair):
     decoded = http("GET", b.url + "/evinfra/iterations?after=-1")[1]["records"]
     assert any(rec.get("batch", 0) >= 1 and rec["accepted"] >= 1 for rec in decoded)
     assert http("GET", a.url + "/evinfra/iterations?after=soon")[0] == 400
-    local = gen(a, b, prompt, 8)
+    local = gen(a, b, prompt, 8, logprob_start=LP)
     assert local["prefill"]["cached_tokens"] >= 48  # the prefix from a's own cache
-    assert local["output_ids"] == base["output_ids"]
+    assert_same_output(local, base)
     # b decoded the prompt: its radix cache and (write-through) host tier hold it. a forgets.
     flush(a)
     peer = http("GET", b.url + "/server_info")[1]["evinfra_engine_patch"]["pool"]
@@ -150,8 +225,9 @@ def test_a_queued_prefill_pulls_its_prefix_from_a_peers_host_memory(pair):
 
     plan = FetchPlan(P, [FetchRunWire(peer, 0, block_hashes(prompt, P)[:12])])
     # The decode half comes 0.5 s later: the prefill waits in a's bootstrap queue meanwhile.
-    r = gen(a, b, prompt, 8, kv_hints=fetch_kv_hints(plan, "t-fetch"), decode_delay_s=0.5)
-    assert r["output_ids"] == base["output_ids"]
+    r = gen(a, b, prompt, 8, kv_hints=fetch_kv_hints(plan, "t-fetch"), decode_delay_s=0.5,
+            logprob_start=LP)
+    assert_same_output(r, base)
     details = r["prefill"]["cached_tokens_details"]
     assert details["evinfra_fetched"] == 48 and details["evinfra_restored"] >= 48
     assert r["prefill"]["cached_tokens"] >= 48
@@ -172,6 +248,33 @@ def test_a_queued_prefill_pulls_its_prefix_from_a_peers_host_memory(pair):
           f"{t['prefill_start'] - t['arrival']:.4f} s")
 
 
+def test_the_fetch_equivalence_fails_on_corrupted_fetched_pages(pair, model_dir):
+    """The same fetch as above with the fetched pages zeroed before they join a's tree: the
+    request reuses 48 fetched tokens and its output is no longer the one computed locally."""
+    from evinfra.engine_patch.wire import FetchPlan, FetchRunWire, fetch_kv_hints
+
+    a, b = pair["a"], pair["b"]
+    prompt = tokens(21, 48) + tokens(22, 9)
+    base = gen(a, b, prompt, 8, logprob_start=LP)
+    flush(a)
+    peer = http("GET", b.url + "/server_info")[1]["evinfra_engine_patch"]["pool"]
+    plan = FetchPlan(P, [FetchRunWire(peer, 0, block_hashes(prompt, P)[:12])])
+    try:
+        with corrupted(model_dir, "fetch"):
+            r = gen(a, b, prompt, 8, kv_hints=fetch_kv_hints(plan, "t-bad"), decode_delay_s=0.5,
+                    logprob_start=LP)
+        assert r["prefill"]["cached_tokens_details"]["evinfra_fetched"] == 48
+        # The prefill's log-probabilities of the tail, computed on the zeroed prefix, differ.
+        # (The decode engine decodes from its own cached copy of the prefix: its tokens
+        # after the first need not change.)
+        diffs = differences(r, base)
+        assert any(d.startswith("input_logprobs") for d in diffs), diffs
+        print(f"\nzeroed fetched pages: {diffs}; tokens {r['output_ids']} instead of "
+              f"{base['output_ids']}")
+    finally:
+        flush(a)  # its tree now holds the zeroed pages
+
+
 async def test_the_driver_sends_fetch_plans_and_reports_restored_tokens(pair):
     """``PrefillOrder.fetch`` reaches the engine through the driver; ``PrefillDone.fetched``
     and the prefill iteration report's ``t_rst`` carry what it pulled and restored."""
@@ -185,7 +288,8 @@ async def test_the_driver_sends_fetch_plans_and_reports_restored_tokens(pair):
 
     a, b = pair["a"], pair["b"]
     prompt = tokens(3, 40) + tokens(4, 5)
-    base = await asyncio.to_thread(gen, a, b, prompt, 4)
+    base = await asyncio.to_thread(gen, a, b, prompt, 8)
+    await asyncio.to_thread(assert_context_matters, a, b, prompt, 40, base)
     await asyncio.to_thread(flush, a)
     bus, events = Bus(), []
     for t in (PrefillStarted, PrefillDone, IterationReport, TokensOut, RequestFailed):
@@ -199,7 +303,7 @@ async def test_the_driver_sends_fetch_plans_and_reports_restored_tokens(pair):
     try:
         ids = np.asarray(prompt, dtype=np.uint32)
         path = block_hashes(prompt, P)
-        sampling = Sampling(max_tokens=4, temperature=0.0, ignore_eos=True)
+        sampling = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True)
 
         def bind(ev):
             drivers["b"].submit_decode(DecodeOrder(ev.request, "a", ids, path, sampling))
@@ -271,10 +375,59 @@ def test_host_eviction_takes_zero_count_blocks_first(pair):
           f"({ev['evicted_zero_blocks']} blocks), {ev['evicted_positive_nodes']} positive")
 
 
+def test_the_directorys_counts_pushed_by_the_driver_decide_what_the_engine_evicts(
+        pair, model_dir):
+    """The hint path end to end: requests of three named branches go through ``evinfra
+    serve``'s service; its directory counts their blocks, its SGLang driver pushes the
+    crossings to the engines (``POST /evinfra/hints``), and a's host eviction then keeps
+    them while it evicts zero-count blocks, older and newer ones (under LRU the branches'
+    blocks, older than the flood, would have gone first). No hint is posted by the test."""
+    from openai import OpenAI
+
+    from evinfra.config import parse_config
+
+    a, b = pair["a"], pair["b"]
+    flush(a)
+    flush(b)
+    old = [tokens(400 + i, 200) for i in range(3)]     # zero count, the oldest
+    kept = [tokens(500 + i, 200) for i in range(3)]    # the branches' contexts
+    flood = [tokens(600 + i, 200) for i in range(30)]  # zero count, newer than `kept`
+    for p in old:
+        gen(a, b, p, 1)
+    svc = ServiceThread(parse_config(sglang_config(pair, model_dir))).start()
+    try:
+        client = OpenAI(base_url=svc.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for i, p in enumerate(kept):
+            client.completions.create(model=SERVED_NAME, prompt=p, max_tokens=1, temperature=0,
+                                      extra_headers={"X-Evinfra-Branch-Id": f"agent-hint-{i}"},
+                                      extra_body={"ignore_eos": True})
+        positive = {h for p in kept for h in block_hashes(p, P)}
+        deadline = time.monotonic() + 30
+        while status(a)["eviction"]["positive_blocks"] < len(positive):
+            assert time.monotonic() < deadline, status(a)["eviction"]
+            time.sleep(0.1)
+        assert svc.call(lambda s: s.drivers["a"].stats["hints_sent"]) >= 1
+        for p in flood:  # direct to the engines: no branch, zero count
+            gen(a, b, p, 1)
+        ev = status(a)["eviction"]
+    finally:
+        svc.stop()
+    assert ev["positive_blocks"] >= len(positive)
+    assert ev["evicted_zero_nodes"] > 0 and ev["evicted_positive_nodes"] == 0
+    assert ev["violations"] == 0
+    evicted = set().union(*(set(r["blocks"]) for r in ev["recent"]))
+    assert not positive & evicted
+    assert all(set(block_hashes(p, P)) <= evicted for p in old)
+    assert set(block_hashes(flood[0], P)) <= evicted  # newer than the branches' blocks
+    print(f"\nhints through the driver: {ev['positive_blocks']} positive blocks kept, "
+          f"{ev['evicted_zero_blocks']} zero-count blocks evicted")
+
+
 def test_a_switch_drains_by_itself_and_keeps_the_cache(pair):
     a, b = pair["a"], pair["b"]
     prompt = tokens(5, 48) + tokens(6, 7)
-    base = gen(a, b, prompt, 8)
+    base = gen(a, b, prompt, 8, logprob_start=LP)
+    assert_context_matters(a, b, prompt, 48, base)
     # Finished, though still in b's batch until its next step: not running.
     assert status(b)["running"] == 0
     long: dict = {}
@@ -303,18 +456,45 @@ def test_a_switch_drains_by_itself_and_keeps_the_cache(pair):
     # (Bounds leave room for a loaded 2-core machine; measured: rebuild 0.1-0.5 s.)
     assert rec["drain_s"] > 0.3 and rec["switch_s"] - rec["drain_s"] < 2.0
     assert abs(rec["decided_at"] + rec["drain_s"] - long["end"]) < 2.0
-    r = gen(b, a, prompt, 8)  # b prefills now, from what it kept as a decode engine
-    assert r["output_ids"] == base["output_ids"] and r["prefill"]["cached_tokens"] >= 48
+    r = gen(b, a, prompt, 8, logprob_start=LP)  # b prefills from what it kept as a decode engine
+    assert_same_output(r, base)
+    assert r["prefill"]["cached_tokens"] >= 48
     for e, new in ((b, "decode"), (a, "prefill")):
         code, out, _ = switch(e, new)
         assert code == 200 and out["success"]
-    r = gen(a, b, prompt, 8)  # a went P -> D -> P and kept its cache
-    assert r["output_ids"] == base["output_ids"] and r["prefill"]["cached_tokens"] >= 48
+    r = gen(a, b, prompt, 8, logprob_start=LP)  # a went P -> D -> P and kept its cache
+    assert_same_output(r, base)
+    assert r["prefill"]["cached_tokens"] >= 48
     hist = status(a)["switch"]["history"]
     print("\nswitches (drain_s / switch_s): b D->P "
           f"{rec['drain_s']:.3f} / {rec['switch_s']:.3f} (HTTP {tb:.3f}); a (HTTP {ta:.3f}) "
           + ", ".join(f"{h['old_role'][0].upper()}->{h['new_role'][0].upper()} "
                       f"{h['drain_s']:.3f} / {h['switch_s']:.3f}" for h in hist))
+
+
+def test_the_switch_equivalence_fails_on_a_corrupted_kept_cache(pair, model_dir):
+    """The round trip above with every kept KV page zeroed at the flips: the prefix is still
+    matched in the tree, and the output is no longer the one computed before the switch."""
+    a, b = pair["a"], pair["b"]
+    prompt = tokens(23, 48) + tokens(24, 7)
+    base = gen(a, b, prompt, 8, logprob_start=LP)
+    try:
+        with corrupted(model_dir, "switch"):
+            for e, new in ((a, "decode"), (b, "prefill")):
+                code, out, _ = switch(e, new)
+                assert code == 200 and out["success"], out
+        for e, new in ((b, "decode"), (a, "prefill")):
+            code, out, _ = switch(e, new)
+            assert code == 200 and out["success"], out
+        r = gen(a, b, prompt, 8, logprob_start=LP)
+        assert r["prefill"]["cached_tokens"] >= 48
+        diffs = differences(r, base)
+        assert "tokens" in diffs and any(d.startswith("input_logprobs") for d in diffs), diffs
+        print(f"\nzeroed kept cache: {diffs}; tokens {r['output_ids']} instead of "
+              f"{base['output_ids']}")
+    finally:
+        flush(a)
+        flush(b)
 
 
 def test_a_round_trip_through_the_service_keeps_the_blocks_in_the_directory(pair, model_dir):

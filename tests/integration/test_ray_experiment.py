@@ -11,8 +11,10 @@ import pytest
 
 from evinfra.cli import main
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                                reason="Ray is the optional extra evinfra[ray]")
+# Heavy: four quick runs and a local Ray's start, three minutes on two cores (make test-heavy).
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                 reason="Ray is the optional extra evinfra[ray]")]
 
 
 def play(tmp_path, name: str, *how: str, seed: int = 5) -> bytes:

@@ -15,6 +15,7 @@ from evinfra.errors import ConfigError
 
 if TYPE_CHECKING:
     from evinfra.drivers.base import EngineDriver
+    from evinfra.drivers.sglang.driver import DriverSettings
 
 __all__ = ["build_drivers", "DriverSettings", "SGLangDriver"]
 

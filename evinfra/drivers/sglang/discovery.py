@@ -118,6 +118,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     grammar: bool = False
     """Launched with a grammar backend (``--grammar-backend`` not ``none``): it holds an
     output to a JSON schema."""
+    drain_timeout_s: float | None = None
+    """The patched engine's drain limit of an in-place switch (it advertises its own)."""
 
 
 _server_decoder = msgspec.json.Decoder(_ServerInfo)
@@ -185,4 +187,5 @@ def parse_engine_info(node: NodeId, url: str, server_info: bytes, model_info: by
         pool=patch.pool if patch is not None else None,
         kv_resync=patch.kv_resync if patch is not None else None,
         iterations=patch.iterations if patch is not None else None,
-        grammar=si.grammar_backend not in (None, "none"))
+        grammar=si.grammar_backend not in (None, "none"),
+        drain_timeout_s=patch.drain_timeout_s if patch is not None else None)

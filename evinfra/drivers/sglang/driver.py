@@ -53,7 +53,7 @@ from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire, dec
                                        fetch_kv_hints, restored_tokens)
 from evinfra.errors import EngineError, EvinfraError
 
-__all__ = ["DriverSettings", "SGLangDriver"]
+__all__ = ["DriverSettings", "SGLangDriver", "switch_wait_s"]
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +71,9 @@ class DriverSettings(msgspec.Struct, frozen=True, kw_only=True):
     """An engine whose ``/v1/loads`` fails this long (or refuses connections) is down."""
     replay_timeout_s: float = 2.0
     switch_timeout_s: float = 120.0
+    """How long a switch may take besides draining: a stock engine's whole switch (it refuses
+    to switch while busy), a patched engine's rebuild after its drain (see
+    :func:`switch_wait_s`)."""
     switch_retry_s: float = 30.0
     """How long a switch the engine refuses as "not idle" is retried."""
     clear_wait_s: float = 2.0
@@ -81,6 +84,15 @@ class DriverSettings(msgspec.Struct, frozen=True, kw_only=True):
     abort_timeout_s: float = 2.0
     rejoin_interval_s: float = 5.0
     """How often a down engine is looked for (a restarted one rejoins the cluster)."""
+
+
+def switch_wait_s(settings: DriverSettings, drain_timeout_s: float | None) -> float:
+    """How long to wait for an engine's answer to a switch. A patched engine drains first, up
+    to the limit it advertises (``EVINFRA_DRAIN_TIMEOUT_S``, the one source of that limit),
+    then rebuilds: waiting less would mark a node down that is still draining."""
+    if drain_timeout_s is None:
+        return settings.switch_timeout_s
+    return drain_timeout_s + settings.switch_timeout_s
 
 
 class _Leg:
@@ -483,11 +495,12 @@ class SGLangDriver:
         deadline = self.clock.now() + s.switch_retry_s
         clears_before = self._engine_clears
         in_place = self.info is not None and self.info.switch_in_place
+        wait_s = switch_wait_s(s, self.info.drain_timeout_s if in_place else None)
         while True:
             try:
                 async with self._session.post(
                         self.url + "/pd_role_switch", json=body,
-                        timeout=aiohttp.ClientTimeout(total=s.switch_timeout_s)) as resp:
+                        timeout=aiohttp.ClientTimeout(total=wait_s)) as resp:
                     raw = await resp.read()
             except asyncio.CancelledError:
                 raise

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -130,6 +131,7 @@ class FakeEngine:
                                   "records": [p for p in self.passes if p["seq"] > after]})
 
     async def _switch(self, request):
+        await asyncio.sleep(getattr(self, "switch_delay_s", 0.0))  # a patched engine drains
         self.role = (await request.json())["new_role"]
         self.switches = getattr(self, "switches", 0) + 1
         return web.json_response({"success": True, "message": "ok"})
@@ -363,6 +365,49 @@ async def test_an_in_place_switch_does_not_wait_for_a_cache_clear(cluster):
     await until(lambda: of(events, PhaseSwitched, node="p", phase="decode"))
     assert loop.time() - t0 < FAST.clear_wait_s / 2
     assert engines["p"].switches == 1 and drivers["p"].stats["switches"] == 1
+
+
+@pytest.mark.parametrize("advertised", [1.0, None], ids=["drain-limit", "no-drain-limit"])
+async def test_the_driver_waits_for_a_switch_as_long_as_the_engine_may_drain(advertised):
+    """A patched engine that drains 0.6 s, with the driver's own switch timeout at 0.3 s: the
+    driver waits the drain limit the engine advertises plus that timeout, and the node
+    switches; an engine that advertises none (control) is marked down mid-switch."""
+    bus, events = Bus(), []
+    for t in (PhaseSwitched, NodeDown):
+        bus.subscribe(t, events.append)
+    info = {**PATCH_INFO, "drain_timeout_s": advertised}
+    engine = FakeEngine("prefill", info)
+    engine.switch_delay_s = 0.6
+    await engine.start()
+    driver = SGLangDriver("p", engine.url, WallClock(), bus, PairBook(), 4,
+                          msgspec.structs.replace(FAST, switch_timeout_s=0.3))
+    await driver.start()
+    try:
+        driver.switch_phase(Phase.DECODE)
+        await until(lambda: of(events, PhaseSwitched, phase="decode") or of(events, NodeDown))
+        if advertised is None:
+            assert of(events, NodeDown, node="p")
+            assert not of(events, PhaseSwitched, phase="decode")
+        else:
+            assert of(events, PhaseSwitched, node="p", phase="decode")
+            assert not of(events, NodeDown)
+    finally:
+        await driver.stop()
+        await engine.stop()
+
+
+def test_the_switch_wait_covers_the_advertised_drain_limit():
+    from evinfra.drivers.sglang.driver import switch_wait_s
+    from evinfra.engine_patch.settings import PatchSettings
+    from evinfra.engine_patch.wire import DRAIN_TIMEOUT_S
+
+    s = DriverSettings()
+    drain = PatchSettings.from_env({}).drain_timeout_s
+    assert drain == DRAIN_TIMEOUT_S  # one source: the engine's default is the wire's
+    assert switch_wait_s(s, drain) == drain + s.switch_timeout_s > drain
+    assert switch_wait_s(s, None) == s.switch_timeout_s  # stock: no drain, one timeout
+    custom = PatchSettings.from_env({"EVINFRA_DRAIN_TIMEOUT_S": "900"}).drain_timeout_s
+    assert switch_wait_s(s, custom) >= 900
 
 
 async def test_an_engine_still_starting_is_waited_for_and_the_wait_is_said_once(

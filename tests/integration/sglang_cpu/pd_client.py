@@ -33,18 +33,24 @@ def _body(raw: bytes) -> Any:
 
 def generate(prefill_url: str, decode_url: str, bootstrap_port: int, input_ids: list[int],
              max_new_tokens: int, kv_hints: dict | None = None, rid: str | None = None,
-             timeout: float = 120.0, decode_delay_s: float = 0.0) -> dict:
+             timeout: float = 120.0, decode_delay_s: float = 0.0,
+             logprob_start: int | None = None, bootstrap_host: str = "127.0.0.1") -> dict:
     """Greedy generation of ``input_ids`` through the pair. Returns ``{"output_ids", "rid"
     (the prefill half's), "prefill": meta_info of the prefill engine, "decode": meta_info of
     the decode engine}``. ``decode_delay_s`` sends the decode half later: the prefill engine
-    holds the request in its bootstrap queue until then (a queued request)."""
+    holds the request in its bootstrap queue until then (a queued request). ``logprob_start``
+    asks for log-probabilities: ``"input_logprobs"``, the prefill engine's of the prompt tokens
+    from that position on (SGLang then reuses at most that many cached tokens), and
+    ``"logprobs"``, the decode engine's of the output tokens."""
     rid = rid or secrets.token_hex(6)
     room = secrets.randbits(63)
     body = {"input_ids": [int(t) for t in input_ids],
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
                                 "ignore_eos": True},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+            "bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port,
             "bootstrap_room": room}
+    if logprob_start is not None:
+        body.update(return_logprob=True, logprob_start_len=logprob_start)
     out: dict[str, Any] = {}
 
     def run(kind: str, url: str, extra: dict) -> None:
@@ -66,5 +72,9 @@ def generate(prefill_url: str, decode_url: str, bootstrap_port: int, input_ids: 
     (ps, pb), (ds, db) = out["prefill"], out["decode"]
     if ps != 200 or ds != 200:
         raise AssertionError(f"generate failed: prefill {ps} {pb!r}, decode {ds} {db!r}")
-    return {"output_ids": db["output_ids"], "rid": f"{rid}-prefill", "prefill": pb["meta_info"],
-            "decode": db["meta_info"]}
+    out = {"output_ids": db["output_ids"], "rid": f"{rid}-prefill", "prefill": pb["meta_info"],
+           "decode": db["meta_info"]}
+    if logprob_start is not None:
+        out["logprobs"] = [x[0] for x in db["meta_info"]["output_token_logprobs"]]
+        out["input_logprobs"] = [x[0] for x in pb["meta_info"]["input_token_logprobs"]]
+    return out

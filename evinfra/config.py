@@ -26,8 +26,7 @@ from evinfra.planner.planner import PlannerConfig
 from evinfra.router.router import RouterConfig
 
 __all__ = ["ClusterConfig", "Config", "LimitsConfig", "ModelConfig", "NodeConfig", "Port",
-           "ServerConfig",
-           "load_config"]
+           "ServerConfig", "load_config", "read_toml"]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 _MiB = 1024 * 1024
@@ -164,16 +163,20 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     """Which system runs: evinfra or a baseline (``evinfra.baselines``)."""
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a TOML config; :class:`ConfigError` names the file and the key."""
+def read_toml(path: str | Path) -> dict:
+    """A TOML file's table; :class:`ConfigError` names the file when it is missing or bad."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError as exc:
         raise ConfigError("no such file", path=str(path)) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"not valid TOML: {exc}", path=str(path)) from exc
-    return parse_config(raw, str(path))
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a TOML config; :class:`ConfigError` names the file and the key."""
+    return parse_config(read_toml(path), str(path))
 
 
 def parse_config(raw: dict, path: str = "<config>") -> Config:

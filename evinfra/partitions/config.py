@@ -8,13 +8,12 @@ every evinfra config.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
-from evinfra.config import Port
+from evinfra.config import Port, read_toml
 from evinfra.core.types import PosFloat, PosInt
 from evinfra.errors import ConfigError
 
@@ -78,12 +77,7 @@ class PartitionsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 def load_partitions(path: str | Path) -> PartitionsConfig:
     """Read and validate ``partitions.toml``; :class:`ConfigError` names the file and key."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError("no such file", path=str(path)) from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"not valid TOML: {exc}", path=str(path)) from exc
+    raw = read_toml(path)
     try:
         return msgspec.convert(raw, PartitionsConfig)
     except msgspec.ValidationError as exc:

@@ -20,21 +20,8 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, sync_playwright
+from tests.sim.small_cluster import SMALL
 
-SMALL = """
-[cluster]
-nodes = [{ name = "n0" }, { name = "n1" }, { name = "n2" }, { name = "n3" }]
-initial_prefill = 2
-[planner]
-t_learn = 120.0
-t_win = 120.0
-m = 4
-hold_off = 30.0
-[fake]
-noise = 0.03
-l1_tokens = 400000
-l2_tokens = 1600000
-"""
 WAIT_MS = 20_000
 
 

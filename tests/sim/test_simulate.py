@@ -8,21 +8,7 @@ from pathlib import Path
 import pytest
 
 from evinfra.cli import main
-
-SMALL = """
-[cluster]
-nodes = [{ name = "n0" }, { name = "n1" }, { name = "n2" }, { name = "n3" }]
-initial_prefill = 2
-[planner]
-t_learn = 120.0
-t_win = 120.0
-m = 4
-hold_off = 30.0
-[fake]
-noise = 0.03
-l1_tokens = 400000
-l2_tokens = 1600000
-"""
+from tests.sim.small_cluster import SMALL
 
 
 @pytest.fixture(scope="module")

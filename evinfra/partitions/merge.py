@@ -24,14 +24,10 @@ import numpy as np
 from evinfra.partitions.run import PartitionResult
 from evinfra.sim.control import ControlSummary
 from evinfra.workloads import RequestRecord
-from evinfra.workloads.summary import Summary, summarise
+from evinfra.workloads.summary import Summary, round6, summarise
 
 __all__ = ["ClusterView", "PartitionView", "PartitionedReport", "PartitionedRun", "merge",
            "pd_variation", "split_per_minute", "write"]
-
-
-def _r(x: float) -> float:
-    return float(f"{float(x):.6g}")
 
 
 class PartitionedRun(msgspec.Struct, frozen=True):
@@ -98,7 +94,7 @@ def pd_variation(split: list[tuple[int, int]]) -> float:
     ratios = [p / d for p, d in split if d > 0 and p > 0]
     if not ratios:
         return 0.0
-    return _r((max(ratios) - min(ratios)) / np.mean(ratios))
+    return round6((max(ratios) - min(ratios)) / np.mean(ratios))
 
 
 def _renamed(name: str, records: list[RequestRecord]) -> list[RequestRecord]:
@@ -139,9 +135,9 @@ def merge(results: list[PartitionResult], run: PartitionedRun) -> PartitionedRep
             name=res.name, group=res.group, nodes=res.nodes,
             summary=summarise(res.records, start, end), control=res.control,
             prefill_per_minute=[p for p, _ in split], pd_ratio_variation=pd_variation(split),
-            mean_queueing=_r(np.mean(waits)) if waits else 0.0,
-            queueing_vs_cluster_max=_r(max(vs)) if vs else 0.0,
-            queueing_vs_cluster_mean=_r(np.mean(vs)) if vs else 0.0))
+            mean_queueing=round6(np.mean(waits)) if waits else 0.0,
+            queueing_vs_cluster_max=round6(max(vs)) if vs else 0.0,
+            queueing_vs_cluster_mean=round6(np.mean(vs)) if vs else 0.0))
     total = [(sum(s[m][0] for s in splits), sum(s[m][1] for s in splits))
              for m in range(minutes)]
     records = [r for res in results for r in _renamed(res.name, res.records)]
@@ -149,9 +145,9 @@ def merge(results: list[PartitionResult], run: PartitionedRun) -> PartitionedRep
     cluster = ClusterView(
         summary=summarise(records, start, end), nodes=sum(r.nodes for r in results),
         prefill_per_minute=[p for p, _ in total], pd_ratio_variation=pd_variation(total),
-        mean_queueing=_r(np.mean(waits)) if waits else 0.0,
-        queueing_imbalance=_r(np.mean(imbalance)) if imbalance else 1.0,
-        queueing_imbalance_max=_r(max(imbalance)) if imbalance else 1.0,
+        mean_queueing=round6(np.mean(waits)) if waits else 0.0,
+        queueing_imbalance=round6(np.mean(imbalance)) if imbalance else 1.0,
+        queueing_imbalance_max=round6(max(imbalance)) if imbalance else 1.0,
         switches=sum(r.control.switches for r in results))
     return PartitionedReport(run=run, cluster=cluster, partitions=views)
 

@@ -34,7 +34,7 @@ import numpy as np
 from evinfra.workloads.backend import RequestRecord
 
 __all__ = ["WAITS", "WAIT_LABELS", "WAIT_NAMES", "Latency", "Summary", "TagReuse", "WaitReuse",
-           "summarise"]
+           "round6", "summarise"]
 
 WAITS: tuple[tuple[str, float], ...] = (
     ("<10s", 10.0), ("10s-1m", 60.0), ("1-10m", 600.0), (">=10m", float("inf")))
@@ -60,12 +60,13 @@ class Latency(msgspec.Struct, frozen=True):
         if not a.size:
             return cls()
         p50, p95, p99 = np.percentile(a, [50, 95, 99])
-        return cls(_r(a.mean()), _r(p50), _r(p95), _r(p99))
+        return cls(round6(a.mean()), round6(p50), round6(p95), round6(p99))
 
 
-def _r(x: float) -> float:
+def round6(x: float) -> float:
     """Six significant digits: reports stay readable and byte-stable."""
     return float(f"{float(x):.6g}")
+
 
 
 class WaitReuse(msgspec.Struct, frozen=True):
@@ -154,11 +155,11 @@ def summarise(records: Sequence[RequestRecord], start: float, end: float) -> Sum
     gaps = _gaps(records)
     return Summary(
         start=start, end=end, requests=len(ok), errors=errors, unfinished=unfinished,
-        throughput=_r(len(ok) / span), output_tokens_per_s=_r(out / span),
+        throughput=round6(len(ok) / span), output_tokens_per_s=round6(out / span),
         e2e=Latency.of(e2e), ttft=Latency.of(ttft), tpot=Latency.of(tpot),
-        prompt_tokens=prompt, cached_tokens=cached, kv_hit_rate=_r(h),
-        ideal_hit_rate=_r(h_star), lost_kv_reuse=_r(1 - h / h_star) if h_star else 0.0,
-        uncached_tokens_per_request=_r((prompt - cached) / len(ok)) if ok else 0.0,
+        prompt_tokens=prompt, cached_tokens=cached, kv_hit_rate=round6(h),
+        ideal_hit_rate=round6(h_star), lost_kv_reuse=round6(1 - h / h_star) if h_star else 0.0,
+        uncached_tokens_per_request=round6((prompt - cached) / len(ok)) if ok else 0.0,
         cached_reported=any(r.cached_tokens is not None for r in ok),
         reuse_by_wait=_reuse_by_wait(records, ok, ideal - cached, gaps),
         reuse_by_tag=_reuse_by_tag(ok, gaps))
@@ -188,9 +189,9 @@ def _reuse_by_tag(ok: list[RequestRecord], gaps: dict[str, float | None]
     for tag, rs in sorted(groups.items()):
         prompt = sum(r.input_tokens for r in rs)
         waits = [g for r in rs if (g := gaps[r.request_id]) is not None]
-        out[tag] = TagReuse(len(rs), _r(sum(r.ideal_cached for r in rs) / prompt) if prompt
-                            else 0.0, _r(np.mean(waits)) if waits else 0.0,
-                            _r(np.mean([r.queued + r.e2e for r in rs])))
+        out[tag] = TagReuse(len(rs), round6(sum(r.ideal_cached for r in rs) / prompt) if prompt
+                            else 0.0, round6(np.mean(waits)) if waits else 0.0,
+                            round6(np.mean([r.queued + r.e2e for r in rs])))
     return out
 
 
@@ -211,6 +212,6 @@ def _reuse_by_wait(records: Sequence[RequestRecord], ok: list[RequestRecord],
         ideal = sum(r.ideal_cached for r in rs)
         cached = sum(r.cached_tokens or 0 for r in rs)
         out[label] = WaitReuse(len(rs), ideal, cached,
-                               _r(1 - cached / ideal) if ideal else 0.0,
-                               _r((ideal - cached) / lost) if lost else 0.0)
+                               round6(1 - cached / ideal) if ideal else 0.0,
+                               round6((ideal - cached) / lost) if lost else 0.0)
     return out

@@ -19,7 +19,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -27,7 +26,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "sglang_cpu"))
 
-from engines import PAGE_SIZE, SERVED_NAME, Engine, free_port, sglang_python  # noqa: E402
+from engines import (PAGE_SIZE, SERVED_NAME, Engine, free_port, running,  # noqa: E402
+                     sglang_python)
 from tiny_model import write_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,15 +111,8 @@ def engines(model_dir, tmp_path_factory):
     _require_sglang()
     logs = Path(os.environ.get("EVINFRA_SGLANG_LOGS") or tmp_path_factory.mktemp("sglang-logs"))
     pair = {"a": Engine("a", "prefill", model_dir, logs), "b": Engine("b", "decode", model_dir, logs)}
-    try:
-        for e in pair.values():
-            e.start()
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda e: e.wait_ready(), pair.values()))
+    with running(pair):
         yield pair
-    finally:
-        for e in pair.values():
-            e.stop()
 
 
 def sglang_config(engines: dict[str, Engine], model_dir: Path, port: int = 0) -> dict:

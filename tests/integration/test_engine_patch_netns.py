@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from conftest import _require_sglang
 from context_model import write_context_model_dir
-from engines import HICACHE_ARGS, PAGE_SIZE, Engine, sglang_python
+from engines import HICACHE_ARGS, PAGE_SIZE, Engine, running, sglang_python
 from evinfra.core.hashing import block_hashes
 from netns import missing, two_hosts
 from pd_client import generate, http
@@ -73,15 +72,8 @@ def pair(hosts, tmp_path_factory):
                         extra_args=HICACHE_ARGS + ("--load-format", "safetensors"),
                         max_total_tokens=2048, ns=hosts[f"{n}_ns"], ip=hosts[f"{n}_ip"])
           for n, role in (("a", "prefill"), ("b", "decode"))}
-    try:
-        for e in es.values():
-            e.start()
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda e: e.wait_ready(), es.values()))
+    with running(es):
         yield es
-    finally:
-        for e in es.values():
-            e.stop()
 
 
 def gen(a: HostEngine, b: HostEngine, ids: list[int], **kw) -> dict:

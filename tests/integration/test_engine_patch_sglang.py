@@ -42,7 +42,7 @@ import pytest
 
 from conftest import ServiceThread, _require_sglang, sglang_config
 from context_model import write_context_model_dir
-from engines import HICACHE_ARGS, PAGE_SIZE, SERVED_NAME, Engine, sglang_python
+from engines import HICACHE_ARGS, PAGE_SIZE, SERVED_NAME, Engine, running, sglang_python
 from evinfra.core.hashing import block_hashes
 from pd_client import generate, http
 
@@ -78,15 +78,8 @@ def pair(model_dir, tmp_path_factory):
                     extra_args=HICACHE_ARGS + ("--load-format", "safetensors"), env=env,
                     max_total_tokens=2048, kv_replay_steps=KV_REPLAY_STEPS)
           for n, role in (("a", "prefill"), ("b", "decode"))}
-    try:
-        for e in es.values():
-            e.start()
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda e: e.wait_ready(), es.values()))
+    with running(es):
         yield es
-    finally:
-        for e in es.values():
-            e.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -234,3 +237,18 @@ class Engine:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+@contextmanager
+def running(engines: dict[str, "Engine"]) -> Iterator[dict[str, "Engine"]]:
+    """Start every engine, wait until all are ready (together), and stop them all at the end,
+    whatever happened: what each engine-pair fixture does."""
+    try:
+        for e in engines.values():
+            e.start()
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda e: e.wait_ready(), engines.values()))
+        yield engines
+    finally:
+        for e in engines.values():
+            e.stop()

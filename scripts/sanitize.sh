@@ -8,7 +8,7 @@
 # and leak checking is off (the interpreter keeps objects alive at exit by design).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+PY=$(realpath -s "${PY:-.venv/bin/python}")  # absolute, the venv's link kept
 OUT=build/sanitize
 TESTS=(tests/property tests/directory tests/core tests/drivers/fake)
 
@@ -25,7 +25,7 @@ cp "$OUT"/cmake/_native*.so "$OUT/src/evinfra/native/"
 cd "$OUT/src"
 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-PYTHONPATH=. "../../../$PY" - "${TESTS[@]}" <<'PYEOF'
+PYTHONPATH=. "$PY" - "${TESTS[@]}" <<'PYEOF'
 import sys
 
 # The editable install's finder would import the package from the repository root.

@@ -115,6 +115,11 @@ class BranchTable:
         """The positive counts of a node, as a new dict (tests and status; O(blocks))."""
         return self._table.counts(node)
 
+    @property
+    def native(self) -> _native.BranchTable:
+        """The native table: a tree's batch hands it the blocks a node lost (E.2 line 20)."""
+        return self._table
+
     def waiting(self, node: int) -> int:
         """How many blocks wait for the node's next hint."""
         return self._table.waiting(node)

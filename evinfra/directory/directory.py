@@ -36,6 +36,7 @@ class Directory:
         self.page_size = page_size
         self.tree = PrefixTree([n for n, _ in items], page_size)
         self.branches = BranchTable(page_size, [p for _, p in items])
+        self._counts = self.branches.native  # what the tree's batches hand lost blocks to
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -80,16 +81,13 @@ class Directory:
     # -- KV events -------------------------------------------------------------------------
 
     def apply(self, node: NodeId, event: KVEvent) -> None:
-        self._evicted(node, self.tree.apply(node, event))
+        self.tree.apply_batch(node, [event], self._counts)
 
     def apply_batch(self, node: NodeId, batch: KVEventBatch) -> None:
-        """Apply a node's events in order, in one native call; then zero the counts of the
-        blocks it lost (E.2 line 20: counts are read by nothing in between)."""
-        self._evicted(node, self.tree.apply_batch(node, batch.events))
-
-    def _evicted(self, node: NodeId, lost: list[BlockHash]) -> None:
-        if lost:
-            self.branches.evicted(self.tree.node_index(node), lost)
+        """Apply a node's events in order, in one native call that also zeroes the counts of
+        the blocks the node lost (E.2 line 20), after the batch: counts are read by nothing in
+        between."""
+        self.tree.apply_batch(node, batch.events, self._counts)
 
     # -- requests and branches (Algorithms E.1, E.2) ---------------------------------------
 

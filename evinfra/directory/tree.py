@@ -12,8 +12,9 @@ Engines feed the tree with their KV events (SGLang schema). Bad events never rai
 parents, removals of blocks the node does not hold, duplicate hashes and untracked media are
 counted in :class:`TreeStats` and logged at powers of two, and the tree stays consistent.
 
-When a node stops holding a block in every tier, the block is *lost* on that node: the caller
-(``directory.Directory``) zeroes the block's branch counts there (Algorithm E.2 line 20).
+When a node stops holding a block in every tier, the block is *lost* on that node: its branch
+counts there are zeroed (Algorithm E.2 line 20). ``directory.Directory`` hands its batches the
+branch table, and the native batch passes the lost blocks on itself.
 """
 
 from __future__ import annotations
@@ -148,18 +149,23 @@ class PrefixTree:
         """Apply one KV event of ``node``; return the blocks the node lost entirely."""
         return self.apply_batch(node, [event])
 
-    def apply_batch(self, node: NodeId, events: Sequence[KVEvent]) -> list[BlockHash]:
+    def apply_batch(self, node: NodeId, events: Sequence[KVEvent],
+                    counts: _native.BranchTable | None = None) -> list[BlockHash]:
         """Apply a node's KV events in order, in one native call; return the blocks the node
-        lost entirely, in order."""
+        lost entirely, in order. Given the directory's native branch table (``counts``,
+        :attr:`BranchTable.native`), the same call hands it those blocks instead (E.2 line
+        20, :meth:`BranchTable.evicted`), so they never become Python objects, and returns
+        none."""
         idx = self._index.get(node)
         if idx is None:
             for _ in events:
                 self._unknown_node += 1
                 _tolerated("unknown_node", self._unknown_node, node=node)
             return []
-        lost, problems = self._tree.apply_batch(idx, events)
-        for what, occurrences, fields in problems:
-            _tolerated(what, occurrences, node=node, **fields)
+        lost, problems = self._tree.apply_batch(idx, events, counts)
+        if problems is not None:
+            for what, occurrences, fields in problems:
+                _tolerated(what, occurrences, node=node, **fields)
         return lost
 
     def clear(self, node: int) -> list[BlockHash]:

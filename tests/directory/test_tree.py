@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -266,3 +267,55 @@ def test_full_hints_replace_the_notes_waiting_for_the_node(d: Directory) -> None
     assert full.replace and full.zero == [] and full.positive == sorted({*kept, *more})
     assert not set(gone) & set(full.positive)
     assert d.take_all_hints() == []  # the full set said it all
+
+
+def test_a_batch_hands_the_lost_blocks_to_the_branch_table_in_the_same_call(
+        d: Directory) -> None:
+    """Given the directory's native branch table, the tree's batch zeroes the counts of the
+    blocks the node lost itself (E.2 line 20) and returns none; without it, the blocks come
+    back and the counts stay (the control)."""
+    path = d.step("x", list(range(16))).path.hashes
+    d.place("x", "a")
+    d.apply_batch("a", KVEventBatch(0.0, [stored(path), stored(path, "CPU_PINNED")]))
+    d.take_hints("a")
+    gone = [BlockRemoved(path[2:], "GPU"), BlockRemoved(path[3:], "CPU_PINNED")]
+    assert d.tree.apply_batch("a", gone, d.branches.native) == []
+    assert [d.branches.count(h, 0) for h in path] == [1, 1, 1, 0]
+    assert d.take_hints("a").zero == [path[3]]
+
+    control = Directory({"a": Phase.PREFILL}, page_size=4)
+    path = control.step("x", list(range(16))).path.hashes
+    control.place("x", "a")
+    control.apply("a", stored(path))
+    assert control.tree.apply_batch("a", [BlockRemoved(path[2:], "GPU")]) == path[2:]
+    assert [control.branches.count(h, 0) for h in path] == [1, 1, 1, 1]
+
+    with pytest.raises(TypeError, match="BranchTable"):
+        d.tree.apply_batch("a", [BlockRemoved(path[:1], "GPU")], object())
+    assert d.tree.holders(path[0]) == [0]  # refused before any event was applied
+
+
+HASH_EDGES = [0, 1, -1, 2**30 - 1, 2**30, -(2**30), 2**60 - 1, 2**60, -(2**60) - 7,
+              2**62 + 12345, 2**63 - 1, -(2**63) + 1, -(2**63)]
+
+
+def test_block_hashes_are_read_exactly_at_every_digit_boundary(d: Directory) -> None:
+    """Hashes are read from CPython's 30-bit digits directly: every signed 64-bit value
+    round-trips, one differing only in a high digit is another block (the control), a numpy
+    integer is read through ``__index__``, and a value past 64 bits is refused."""
+    d.apply_batch("a", KVEventBatch(0.0, [stored(HASH_EDGES)]))
+    assert d.tree.blocks_on(0) == set(HASH_EDGES)
+    assert all(h in d.tree for h in HASH_EDGES)
+    assert (2**60 + 1) not in d.tree and (2**30 + 1) not in d.tree
+    d.apply("b", stored([5, 2**30 + 5, 2**60 + 5, -5]))
+    assert len(d.tree.blocks_on(1)) == 4
+    d.apply("c", BlockStored([np.int64(2**62 + 12345), np.int64(-(2**63))], None, [], 4,
+                             medium="GPU"))
+    assert d.tree.holders(2**62 + 12345) == [0, 2] and d.tree.holders(-(2**63)) == [0, 2]
+    assert d.match(HASH_EDGES).own == [len(HASH_EDGES), 0, 0]
+    for bad in (2**63, -(2**63) - 1, 2**64 + 3):
+        with pytest.raises(TypeError, match="64-bit"):
+            d.apply("a", stored([bad]))
+    with pytest.raises(TypeError):
+        d.apply("a", stored(["7"]))
+    d.check_invariants()

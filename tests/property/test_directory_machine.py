@@ -466,8 +466,9 @@ class _NativeTreeDroppingRemovals:
     def __init__(self, tree) -> None:
         self._tree = tree
 
-    def apply_batch(self, node, events):
-        return self._tree.apply_batch(node, [e for e in events if type(e) is not BlockRemoved])
+    def apply_batch(self, node, events, counts=None):
+        return self._tree.apply_batch(node, [e for e in events if type(e) is not BlockRemoved],
+                                      counts)
 
     def __getattr__(self, name):
         return getattr(self._tree, name)
@@ -499,6 +500,36 @@ def test_the_machine_catches_a_native_tree_that_drops_removals() -> None:
             _NativeMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
                                                     phases=[HPhase.generate], print_blob=False,
                                                     report_multiple_bugs=False))
+
+
+class _NativeTreeKeepingLostBlocks(_NativeTreeDroppingRemovals):
+    """The native tree applying every event but handing the blocks a node lost to no branch
+    table (the directory's native KV path, tree then counts, cut in two)."""
+
+    def apply_batch(self, node, events, counts=None):
+        return self._tree.apply_batch(node, events)
+
+
+class _KeepsLostBlocks(Directory):
+    def __init__(self, nodes, page_size):
+        super().__init__(nodes, page_size)
+        self.tree._tree = _NativeTreeKeepingLostBlocks(self.tree._tree)
+
+
+class _LostBlocksMutantMachine(DirectoryMachine):
+    directory_cls = _KeepsLostBlocks
+
+
+def test_the_machine_catches_a_native_batch_that_keeps_lost_blocks_counted() -> None:
+    import pytest
+
+    from hypothesis import Phase as HPhase
+
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            _LostBlocksMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
+                                                        phases=[HPhase.generate], print_blob=False,
+                                                        report_multiple_bugs=False))
 
 
 class _WideDirectory(Directory):

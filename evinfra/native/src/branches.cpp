@@ -207,6 +207,9 @@ struct Node {
   bool hinted = false;  // notes or a slice wait
 };
 
+}  // namespace
+
+// Outside the anonymous namespace: the tree's batches reach it (common.h).
 class BranchTable {
  public:
   int64_t add_node(int64_t phase) {
@@ -556,7 +559,17 @@ class BranchTable {
   std::vector<int64_t> free_;
 };
 
-}  // namespace
+BranchTable& branch_table(nb::handle table) {
+  BranchTable* t = nullptr;
+  if (table.is_none() || !nb::try_cast<BranchTable*>(table, t)) {
+    throw nb::type_error("counts must be a native BranchTable");
+  }
+  return *t;
+}
+
+void evicted(BranchTable& table, int64_t node, const Hashes& blocks) {
+  table.evicted(node, blocks);
+}
 
 void bind_branches(nb::module_& m) {
   using namespace nb::literals;

@@ -15,10 +15,65 @@ namespace nb = nanobind;
 using Hash = int64_t;
 using Hashes = std::vector<Hash>;
 
+// A block hash from a plain int (True), read from CPython's digits: PyLong_AsLongLong takes a
+// general path for ints of more than one digit, as most hashes are, at 2-3x the cost.
+// False for anything else (an int subclass, an int too large: any_hash() then decides).
+inline bool exact_hash(PyObject* o, Hash& out) {
+#if PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API) && PyLong_SHIFT == 30
+  if (!PyLong_CheckExact(o)) return false;
+  const Py_ssize_t size = Py_SIZE(o);
+  const digit* d = reinterpret_cast<PyLongObject*>(o)->ob_digit;
+  uint64_t magnitude;
+  switch (size < 0 ? -size : size) {
+    case 0:
+      magnitude = 0;
+      break;
+    case 1:
+      magnitude = d[0];
+      break;
+    case 2:
+      magnitude = d[0] | uint64_t{d[1]} << 30;
+      break;
+    case 3:
+      if (d[2] >= 8) return false;  // 2**63 or more: only -2**63 fits, any_hash() sees to it
+      magnitude = d[0] | uint64_t{d[1]} << 30 | uint64_t{d[2]} << 60;
+      break;
+    default:
+      return false;
+  }
+  out = static_cast<Hash>(size < 0 ? uint64_t{0} - magnitude : magnitude);
+  return true;
+#else
+  (void)o;
+  (void)out;
+  return false;
+#endif
+}
+
+// A block hash from any object with __index__ (Python code may run); TypeError otherwise or
+// when it does not fit in a signed 64-bit int.
+inline Hash any_hash(nb::handle o) {
+  nb::object i = nb::steal(PyNumber_Index(o.ptr()));
+  if (!i.is_valid()) throw nb::python_error();
+  int overflow;
+  const long long v = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow) throw nb::type_error("a block hash is a signed 64-bit int");
+  return v;
+}
+
 // nanobind ships tsl::robin_map (not robin_set): a set of blocks is a HashMap<Unit>.
 template <class V>
 using HashMap = tsl::robin_map<Hash, V>;
 struct Unit {};
+
+// The directory's branch table (branches.cpp): the tree hands it the blocks a node lost in a
+// batch (E.2 line 20) natively.
+class BranchTable;
+// The native table behind a Python object (TypeError if it is not one).
+BranchTable& branch_table(nb::handle table);
+// E.2 line 20: `node` lost `blocks`; zero their counts there.
+void evicted(BranchTable& table, int64_t node, const Hashes& blocks);
 
 void bind_hashing(nb::module_& m);
 void bind_tree(nb::module_& m);

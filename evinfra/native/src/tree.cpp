@@ -3,9 +3,13 @@
 //
 // A block's hash names the block *and* its whole prefix, so no child pointers are needed: a
 // block has a slot, and a slot has two holder bitmaps (L1: GPU, L2: host), one bit per node,
-// W words of 64 nodes each, stored slot-major so a prefix walk reads one cache line per block.
-// Slots are handed out lowest-freed first, as the Python tree did: the order clear() reports
-// a node's lost blocks in (slot order) is part of the simulator's output.
+// W words of 64 nodes each. A slot is one record (its hash, a stamp, then each word's L1 and
+// L2 bits side by side), so a store, a removal or a prefix walk touches one cache line per
+// block. Slots are handed out lowest-freed first, as the Python tree did: the order clear()
+// reports a node's lost blocks in (slot order) is part of the simulator's output.
+//
+// A batch given the directory's branch table hands it the blocks the node lost (E.2 line 20)
+// in the same call, so they never become Python objects: the directory's KV path is one call.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
@@ -42,9 +46,6 @@ struct EventTypes {
 class Tree {
  public:
   Tree(size_t page_size, EventTypes types) : page_size_(page_size), types_(std::move(types)) {
-    // Slot 0 is never a block's: a missing block reads as it (no holders).
-    hash_.push_back(0);
-    stamp_.push_back(0);
     grow_words(1);
   }
 
@@ -61,21 +62,29 @@ class Tree {
 
   // A node's batch of KV events, applied in order. Returns the blocks the node no longer
   // holds in any tier (lost, in order: E.2 line 20 zeroes their counts) and the tolerated
-  // problems whose count reached a power of two, as (what, occurrences, fields) for the log:
-  // bad events never raise, they are counted and the tree stays consistent.
-  nb::tuple apply_batch(int node, nb::handle events) {
+  // problems whose count reached a power of two, as (what, occurrences, fields) for the log,
+  // or None when there are none: bad events never raise, they are counted and the tree
+  // stays consistent. Given the
+  // directory's branch table (`counts`, not None), the lost blocks go to its evicted() at the
+  // end of the batch instead, and the list returned is empty.
+  nb::tuple apply_batch(int node, nb::handle events, nb::handle counts) {
     check_node(node);
-    Hashes lost;
-    nb::list problems;
-    auto tolerate = [&](uint64_t Counts::*what, const char* name, nb::dict fields) {
+    BranchTable* table = counts.is_none() ? nullptr : &branch_table(counts);
+    lost_.clear();
+    nb::object problems = nb::none();  // a list once there is one to report
+    auto tolerate = [&](uint64_t Counts::*what, const char* name, auto&& fields) {
       const uint64_t n = ++(counts_.*what);
-      if ((n & (n - 1)) == 0) problems.append(nb::make_tuple(name, n, fields));
+      if ((n & (n - 1)) != 0) return;
+      if (problems.is_none()) problems = nb::list();
+      nb::borrow<nb::list>(problems).append(nb::make_tuple(name, n, fields()));
     };
-    for (nb::handle e : events) {
+    nb::object batch = nb::steal(PySequence_Fast(events.ptr(), "events must be a sequence"));
+    if (!batch.is_valid()) throw nb::python_error();
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(batch.ptr()); ++i) {
+      nb::handle e = PySequence_Fast_GET_ITEM(batch.ptr(), i);
       nb::handle type = e.type();
       if (type.is(types_.cleared)) {
-        Hashes gone = clear(node);
-        lost.insert(lost.end(), gone.begin(), gone.end());
+        clear(node, lost_);
         ++counts_.clears;
         continue;
       }
@@ -83,36 +92,48 @@ class Tree {
       if (!stored && !type.is(types_.removed)) {
         throw nb::type_error("not a KV event");
       }
-      nb::object medium = e.attr("medium");
+      nb::object medium = nb::steal(PyObject_GetAttr(e.ptr(), names_.medium.ptr()));
+      if (!medium.is_valid()) throw nb::python_error();
       const int tier = tier_of(medium);
       if (!tier) {
-        tolerate(&Counts::untracked_medium, "untracked_medium", fields("medium", medium));
+        tolerate(&Counts::untracked_medium, "untracked_medium",
+                 [&] { return fields("medium", medium); });
         continue;
       }
-      const Hashes hashes = nb::cast<Hashes>(e.attr("block_hashes"));
+      read_hashes(attr(e, names_.block_hashes), hashes_);
       if (stored) {
-        nb::object size = e.attr("block_size"), parent = e.attr("parent_block_hash");
+        nb::object size = attr(e, names_.block_size), parent = attr(e, names_.parent);
         if (nb::cast<size_t>(size) != page_size_) {
-          nb::dict f = fields("block_size", size);
-          f["page_size"] = page_size_;
-          tolerate(&Counts::block_size_mismatch, "block_size_mismatch", f);
+          tolerate(&Counts::block_size_mismatch, "block_size_mismatch", [&] {
+            nb::dict f = fields("block_size", size);
+            f["page_size"] = page_size_;
+            return f;
+          });
         }
         std::optional<Hash> p;
         if (!parent.is_none()) p = nb::cast<Hash>(parent);
-        const auto [orphan, duplicate] = store(node, hashes, p, tier);
-        if (orphan) tolerate(&Counts::unknown_parent, "unknown_parent", fields("parent", parent));
-        if (duplicate) tolerate(&Counts::duplicate_hash, "duplicate_hash", nb::dict());
-        counts_.blocks_stored += hashes.size();
-      } else {
-        auto [gone, unknown] = remove(node, hashes, tier == kL1);
-        lost.insert(lost.end(), gone.begin(), gone.end());
-        for (Hash h : unknown) {
-          tolerate(&Counts::unknown_removal, "unknown_removal", fields("block", nb::int_(h)));
+        const auto [orphan, duplicate] = store(node, hashes_, p, tier);
+        if (orphan) {
+          tolerate(&Counts::unknown_parent, "unknown_parent",
+                   [&] { return fields("parent", parent); });
         }
-        counts_.blocks_removed += hashes.size() - unknown.size();
+        if (duplicate) tolerate(&Counts::duplicate_hash, "duplicate_hash", [] { return nb::dict(); });
+        counts_.blocks_stored += hashes_.size();
+      } else {
+        unknown_.clear();
+        remove(node, hashes_, tier == kL1, lost_, unknown_);
+        for (Hash h : unknown_) {
+          tolerate(&Counts::unknown_removal, "unknown_removal",
+                   [&] { return fields("block", nb::int_(h)); });
+        }
+        counts_.blocks_removed += hashes_.size() - unknown_.size();
       }
     }
-    return nb::make_tuple(nb::cast(lost), problems);
+    if (table != nullptr) {
+      if (!lost_.empty()) evicted(*table, node, lost_);
+      return nb::make_tuple(nb::list(), problems);
+    }
+    return nb::make_tuple(nb::cast(lost_), problems);
   }
 
   nb::dict counts() const {
@@ -132,98 +153,102 @@ class Tree {
   // repeats within the event.
   std::pair<bool, bool> store(int node, const Hashes& hashes, std::optional<Hash> parent,
                               int tiers) {
-    check_node(node);
     const bool orphan = parent && !contains(*parent);
     bool duplicate = false;
     ++stores_;
-    const size_t w = node / 64;
-    const uint64_t bit = uint64_t{1} << (node % 64);
+    const size_t at = bits_at(node);
+    const uint64_t bit = bit_of(node);
+    size_t new_l1 = 0, new_l2 = 0, new_any = 0;
     for (Hash h : hashes) {
-      uint32_t s;
-      auto it = slot_.find(h);
-      if (it != slot_.end()) {
-        s = it->second;
-      } else {
-        s = allocate();
-        hash_[s] = h;
-        slot_.emplace(h, s);
+      auto [it, fresh] = slot_.try_emplace(h, 0);
+      if (fresh) {
+        it.value() = allocate();
+        record(it->second)[kHash] = static_cast<uint64_t>(h);
       }
-      duplicate |= stamp_[s] == stores_;  // a chained hash cannot repeat within one path
-      stamp_[s] = stores_;
-      uint64_t& l1 = l1_[s * words_ + w];
-      uint64_t& l2 = l2_[s * words_ + w];
-      const bool was = (l1 | l2) & bit;
+      uint64_t* r = record(it->second);
+      duplicate |= r[kStamp] == stores_;  // a chained hash cannot repeat within one path
+      r[kStamp] = stores_;
+      uint64_t& l1 = r[at];
+      uint64_t& l2 = r[at + 1];
+      new_any += !((l1 | l2) & bit);
       if ((tiers & kL1) && !(l1 & bit)) {
         l1 |= bit;
-        ++held_l1_[node];
+        ++new_l1;
       }
       if ((tiers & kL2) && !(l2 & bit)) {
         l2 |= bit;
-        ++held_l2_[node];
+        ++new_l2;
       }
-      if (!was) ++held_any_[node];
     }
+    held_l1_[node] += new_l1;
+    held_l2_[node] += new_l2;
+    held_any_[node] += new_any;
     return {orphan, duplicate};
   }
 
-  // BlockRemoved in one tier. Returns the blocks the node no longer holds in any tier (lost,
-  // E.2 line 20) and those it did not hold in that tier (tolerated, counted by the caller).
-  std::pair<Hashes, Hashes> remove(int node, const Hashes& hashes, bool l1_tier) {
-    check_node(node);
-    const size_t w = node / 64;
-    const uint64_t bit = uint64_t{1} << (node % 64);
-    Hashes lost, unknown;
-    std::vector<uint32_t> freed;
+  // BlockRemoved in one tier. Appends to `lost` the blocks the node no longer holds in any
+  // tier (E.2 line 20) and to `unknown` those it did not hold in that tier (tolerated, counted
+  // by the caller).
+  void remove(int node, const Hashes& hashes, bool l1_tier, Hashes& lost, Hashes& unknown) {
+    const size_t mine_at = bits_at(node) + (l1_tier ? 0 : 1);
+    const size_t other_at = bits_at(node) + (l1_tier ? 1 : 0);
+    const uint64_t bit = bit_of(node);
+    size_t gone = 0;
+    // Written in place (sized for every block, trimmed after): the loop stays branch-light.
+    const size_t lost_from = lost.size();
+    lost.resize(lost_from + hashes.size());
+    freed_.resize(hashes.size());
+    Hash* lost_at = lost.data() + lost_from;
+    uint32_t* freed_at = freed_.data();
     for (Hash h : hashes) {
       auto it = slot_.find(h);
-      const uint32_t s = it == slot_.end() ? 0 : it->second;
-      uint64_t& mine = (l1_tier ? l1_ : l2_)[s * words_ + w];
-      const uint64_t other = (l1_tier ? l2_ : l1_)[s * words_ + w];
-      if (!(mine & bit)) {
+      uint64_t* r = record(it == slot_.end() ? 0 : it->second);
+      if (!(r[mine_at] & bit)) {
         unknown.push_back(h);
         continue;
       }
-      mine &= ~bit;
-      --(l1_tier ? held_l1_ : held_l2_)[node];
-      if (other & bit) continue;
-      --held_any_[node];
-      lost.push_back(h);
-      if (unused(s)) {
+      r[mine_at] &= ~bit;
+      ++gone;
+      if (r[other_at] & bit) continue;
+      *lost_at++ = h;
+      if (!r[mine_at] && !r[other_at] && unused(r)) {
+        *freed_at++ = it->second;
         slot_.erase(it);
-        hash_[s] = 0;
-        freed.push_back(s);
+        r[kHash] = 0;
       }
     }
-    release(freed);
-    return {std::move(lost), std::move(unknown)};
+    const size_t gone_any = static_cast<size_t>(lost_at - (lost.data() + lost_from));
+    lost.resize(lost_from + gone_any);
+    freed_.resize(static_cast<size_t>(freed_at - freed_.data()));
+    (l1_tier ? held_l1_ : held_l2_)[node] -= gone;
+    held_any_[node] -= gone_any;
+    release(freed_);
   }
 
-  // The node dropped everything (AllBlocksCleared, a crash, a relaunch): its blocks, in slot
-  // order.
-  Hashes clear(int node) {
-    check_node(node);
-    const size_t w = node / 64;
-    const uint64_t bit = uint64_t{1} << (node % 64);
-    Hashes lost;
-    std::vector<uint32_t> freed;
-    for (uint32_t s = 1; s < hash_.size() && held_any_[node]; ++s) {
-      uint64_t& l1 = l1_[s * words_ + w];
-      uint64_t& l2 = l2_[s * words_ + w];
+  // The node dropped everything (AllBlocksCleared, a crash, a relaunch): appends its blocks to
+  // `lost`, in slot order.
+  void clear(int node, Hashes& lost) {
+    const size_t at = bits_at(node);
+    const uint64_t bit = bit_of(node);
+    freed_.clear();
+    for (uint32_t s = 1; s < slots() && held_any_[node]; ++s) {
+      uint64_t* r = record(s);
+      uint64_t& l1 = r[at];
+      uint64_t& l2 = r[at + 1];
       if (!((l1 | l2) & bit)) continue;
       held_l1_[node] -= (l1 & bit) != 0;
       held_l2_[node] -= (l2 & bit) != 0;
       --held_any_[node];
       l1 &= ~bit;
       l2 &= ~bit;
-      lost.push_back(hash_[s]);
-      if (unused(s)) {
-        slot_.erase(hash_[s]);
-        hash_[s] = 0;
-        freed.push_back(s);
+      lost.push_back(static_cast<Hash>(r[kHash]));
+      if (unused(r)) {
+        slot_.erase(static_cast<Hash>(r[kHash]));
+        r[kHash] = 0;
+        freed_.push_back(s);
       }
     }
-    release(freed);
-    return lost;
+    release(freed_);
   }
 
   // The longest prefix of ``path`` each node holds, in any tier and in L1, and the leading
@@ -234,45 +259,22 @@ class Tree {
   nb::tuple match_array(HashArray path) const { return match_at(path.data(), path.shape(0)); }
 
   nb::tuple match_at(const Hash* path, size_t length) const {
-    std::vector<int64_t> own(nodes_, 0), own_l1(nodes_, 0);
-    std::vector<uint64_t> any(words_), l1(words_);
-    for (int w = 0; w < words_; ++w) {
-      const int in_word = std::min(64, nodes_ - 64 * w);
-      any[w] = l1[w] = in_word == 64 ? ~uint64_t{0} : (uint64_t{1} << in_word) - 1;
-    }
-    size_t i = 0;
-    for (; i < length; ++i) {
-      auto it = slot_.find(path[i]);
-      if (it == slot_.end()) break;
-      const size_t base = size_t{it->second} * words_;
-      for (int w = 0; w < words_; ++w) {
-        const uint64_t tier1 = l1_[base + w], either = tier1 | l2_[base + w];
-        settle(any[w] & ~either, w, i, own);
-        settle(l1[w] & ~tier1, w, i, own_l1);
-        any[w] &= either;
-        l1[w] &= tier1;
-      }
-    }
-    for (int w = 0; w < words_; ++w) {
-      settle(any[w], w, i, own);
-      settle(l1[w], w, i, own_l1);
-    }
-    return nb::make_tuple(i, nb::cast(own), nb::cast(own_l1));
+    return words_ == 1 ? walk<true>(path, length) : walk<false>(path, length);
   }
 
   // Which tiers of ``node`` hold ``block``: (L1, L2).
   std::pair<bool, bool> tiers(Hash h, int node) const {
     check_node(node);
-    const size_t at = lookup(h) * words_ + node / 64;
-    const uint64_t bit = uint64_t{1} << (node % 64);
-    return {(l1_[at] & bit) != 0, (l2_[at] & bit) != 0};
+    const uint64_t* r = record(lookup(h));
+    const uint64_t bit = bit_of(node);
+    return {(r[bits_at(node)] & bit) != 0, (r[bits_at(node) + 1] & bit) != 0};
   }
 
   std::vector<int> holders(Hash h) const {
-    const size_t base = lookup(h) * words_;
+    const uint64_t* r = record(lookup(h));
     std::vector<int> out;
     for (int n = 0; n < nodes_; ++n) {
-      if (((l1_[base + n / 64] | l2_[base + n / 64]) >> (n % 64)) & 1) out.push_back(n);
+      if ((r[bits_at(n)] | r[bits_at(n) + 1]) & bit_of(n)) out.push_back(n);
     }
     return out;
   }
@@ -280,9 +282,10 @@ class Tree {
   Hashes blocks_on(int node) const {
     check_node(node);
     Hashes out;
-    for (uint32_t s = 1; s < hash_.size(); ++s) {
-      if (((l1_[s * words_ + node / 64] | l2_[s * words_ + node / 64]) >> (node % 64)) & 1) {
-        out.push_back(hash_[s]);
+    for (uint32_t s = 1; s < slots(); ++s) {
+      const uint64_t* r = record(s);
+      if ((r[bits_at(node)] | r[bits_at(node) + 1]) & bit_of(node)) {
+        out.push_back(static_cast<Hash>(r[kHash]));
       }
     }
     return out;
@@ -300,32 +303,36 @@ class Tree {
     return total;
   }
 
-  // Bytes of the tables (slots, bitmaps, the hash map's buckets, free list), for the bench.
+  // Bytes of the tables (slot records, the hash map's buckets, free list), for the bench.
   size_t memory() const {
-    return (hash_.capacity() + stamp_.capacity()) * 8 + (l1_.capacity() + l2_.capacity()) * 8 +
-           free_.capacity() * 4 + slot_.bucket_count() * (sizeof(std::pair<Hash, uint32_t>) + 8);
+    return records_.capacity() * 8 + free_.capacity() * 4 +
+           slot_.bucket_count() * (sizeof(std::pair<Hash, uint32_t>) + 8);
   }
 
   // Throws std::logic_error where the map, the slots, the bitmaps and the counters disagree.
   void check() const {
     auto fail = [](const std::string& what) { throw std::logic_error(what); };
-    if (hash_[0] != 0 || !unused(0)) fail("slot 0 is reserved");
-    std::vector<char> is_free(hash_.size(), 0);
+    if (record(0)[kHash] != 0 || !unused(record(0))) fail("slot 0 is reserved");
+    std::vector<char> is_free(slots(), 0);
     for (uint32_t s : free_) {
-      if (s == 0 || s >= hash_.size() || is_free[s]) fail("free list corrupt");
+      if (s == 0 || s >= slots() || is_free[s]) fail("free list corrupt");
       is_free[s] = 1;
-      if (hash_[s] != 0 || !unused(s)) fail("free slot " + std::to_string(s) + " in use");
+      if (record(s)[kHash] != 0 || !unused(record(s))) {
+        fail("free slot " + std::to_string(s) + " in use");
+      }
     }
-    if (slot_.size() + free_.size() != hash_.size() - 1) fail("a slot leaked");
+    if (slot_.size() + free_.size() != slots() - 1) fail("a slot leaked");
     for (const auto& [h, s] : slot_) {
-      if (s == 0 || s >= hash_.size() || is_free[s] || hash_[s] != h) fail("map and slots differ");
-      if (unused(s)) fail("a block held by no node");
+      if (s == 0 || s >= slots() || is_free[s] || static_cast<Hash>(record(s)[kHash]) != h) {
+        fail("map and slots differ");
+      }
+      if (unused(record(s))) fail("a block held by no node");
     }
     for (int n = 0; n < nodes_; ++n) {
       size_t a = 0, b = 0, c = 0;
-      for (uint32_t s = 1; s < hash_.size(); ++s) {
-        const uint64_t x = l1_[s * words_ + n / 64] >> (n % 64) & 1;
-        const uint64_t y = l2_[s * words_ + n / 64] >> (n % 64) & 1;
+      for (uint32_t s = 1; s < slots(); ++s) {
+        const uint64_t x = (record(s)[bits_at(n)] & bit_of(n)) != 0;
+        const uint64_t y = (record(s)[bits_at(n) + 1] & bit_of(n)) != 0;
         a += x;
         b += y;
         c += x | y;
@@ -361,9 +368,20 @@ class Tree {
     return it == slot_.end() ? 0 : it->second;
   }
 
-  bool unused(uint32_t s) const {
-    for (int w = 0; w < words_; ++w) {
-      if (l1_[size_t{s} * words_ + w] | l2_[size_t{s} * words_ + w]) return false;
+  // A slot's record: its hash, its stamp, then word w's L1 bits at kBits + 2w and its L2 bits
+  // right after them.
+  static constexpr size_t kHash = 0, kStamp = 1, kBits = 2;
+  size_t stride() const { return stride_; }
+  size_t slots() const { return slots_; }
+  uint64_t* record(size_t s) { return records_.data() + s * stride(); }
+  const uint64_t* record(size_t s) const { return records_.data() + s * stride(); }
+  // Where a node's L1 word sits in a record (its L2 word follows), and its bit there.
+  static size_t bits_at(int node) { return kBits + 2 * static_cast<size_t>(node / 64); }
+  static uint64_t bit_of(int node) { return uint64_t{1} << (node % 64); }
+
+  bool unused(const uint64_t* r) const {
+    for (size_t i = kBits; i < stride(); ++i) {
+      if (r[i]) return false;
     }
     return true;
   }
@@ -374,31 +392,68 @@ class Tree {
       free_.pop_back();
       return s;
     }
-    hash_.push_back(0);
-    stamp_.push_back(0);
-    l1_.resize(hash_.size() * words_, 0);
-    l2_.resize(hash_.size() * words_, 0);
-    return static_cast<uint32_t>(hash_.size() - 1);
+    // Grown by doubling here, not by the vector's own push: one fill per doubling.
+    if ((slots_ + 1) * stride_ > records_.size()) {
+      records_.resize(std::max(2 * records_.size(), (slots_ + 1) * stride_), 0);
+    }
+    return static_cast<uint32_t>(slots_++);
   }
 
   // Freed slots are handed out lowest first: a run freed together and stored again gets
   // consecutive slots again.
   void release(std::vector<uint32_t>& freed) {
-    std::sort(freed.begin(), freed.end(), std::greater<>());
+    // Usually ascending already (a run of a path, stored in order).
+    if (std::is_sorted(freed.begin(), freed.end())) {
+      std::reverse(freed.begin(), freed.end());
+    } else {
+      std::sort(freed.begin(), freed.end(), std::greater<>());
+    }
     free_.insert(free_.end(), freed.begin(), freed.end());
   }
 
   void grow_words(int words) {
-    std::vector<uint64_t> l1(hash_.size() * words, 0), l2(hash_.size() * words, 0);
-    for (size_t s = 0; s < hash_.size(); ++s) {
-      for (int w = 0; w < words_; ++w) {
-        l1[s * words + w] = l1_[s * words_ + w];
-        l2[s * words + w] = l2_[s * words_ + w];
+    const size_t old = stride_, n = words_ ? slots_ : 1;
+    slots_ = n;
+    words_ = words;
+    stride_ = kBits + 2 * static_cast<size_t>(words);
+    std::vector<uint64_t> records(n * stride(), 0);
+    for (size_t s = 0; s < n && old > kBits; ++s) {
+      std::copy_n(records_.data() + s * old, old, records.data() + s * stride());
+    }
+    records_.swap(records);
+  }
+
+  // The walk of match(): kOne for one word of nodes (up to 64), which the compiler unrolls.
+  template <bool kOne>
+  nb::tuple walk(const Hash* path, size_t length) const {
+    const int words = kOne ? 1 : words_;
+    std::vector<int64_t> own(nodes_, 0), own_l1(nodes_, 0);
+    std::vector<uint64_t> any(words), l1(words);
+    for (int w = 0; w < words; ++w) {
+      const int in_word = std::min(64, nodes_ - 64 * w);
+      any[w] = l1[w] = in_word == 64 ? ~uint64_t{0} : (uint64_t{1} << in_word) - 1;
+    }
+    size_t i = 0;
+    for (; i < length; ++i) {
+      auto it = slot_.find(path[i]);
+      if (it == slot_.end()) break;
+      const uint64_t* r = record(it->second) + kBits;
+      for (int w = 0; w < words; ++w) {
+        const uint64_t tier1 = r[2 * w], either = tier1 | r[2 * w + 1];
+        // Most blocks end no node's prefix: the settling is off the common path.
+        if (__builtin_expect((any[w] & ~either) | (l1[w] & ~tier1), 0)) {
+          settle(any[w] & ~either, w, i, own);
+          settle(l1[w] & ~tier1, w, i, own_l1);
+          any[w] &= either;
+          l1[w] &= tier1;
+        }
       }
     }
-    l1_.swap(l1);
-    l2_.swap(l2);
-    words_ = words;
+    for (int w = 0; w < words; ++w) {
+      settle(any[w], w, i, own);
+      settle(l1[w], w, i, own_l1);
+    }
+    return nb::make_tuple(i, nb::cast(own), nb::cast(own_l1));
   }
 
   // Nodes of word ``w`` whose bits are in ``dead`` hold ``at`` leading blocks.
@@ -409,18 +464,53 @@ class Tree {
     }
   }
 
+  // An attribute of a KV event (by its interned name).
+  static nb::object attr(nb::handle e, const nb::str& name) {
+    nb::object v = nb::steal(PyObject_GetAttr(e.ptr(), name.ptr()));
+    if (!v.is_valid()) throw nb::python_error();
+    return v;
+  }
+
+  // The ints of a sequence of block hashes (signed 64-bit, as the events carry them).
+  static void read_hashes(nb::handle seq, Hashes& out) {
+    nb::object fast = nb::steal(PySequence_Fast(seq.ptr(), "block_hashes must be a sequence"));
+    if (!fast.is_valid()) throw nb::python_error();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    out.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!exact_hash(PySequence_Fast_ITEMS(fast.ptr())[i], out[i])) {
+        // Not a plain int: its __index__ is Python code, which could change the list.
+        nb::object item = nb::borrow(PySequence_Fast_ITEMS(fast.ptr())[i]);
+        out[i] = any_hash(item);
+        if (PySequence_Fast_GET_SIZE(fast.ptr()) != n) {
+          throw nb::value_error("block_hashes changed while read");
+        }
+      }
+    }
+  }
+
   size_t page_size_;
   EventTypes types_;
+  struct {
+    nb::str medium{"medium"}, block_hashes{"block_hashes"}, block_size{"block_size"},
+        parent{"parent_block_hash"};
+  } names_;
   Counts counts_;
   int nodes_ = 0, words_ = 0;
+  size_t stride_ = kBits;  // words in a slot's record
   HashMap<uint32_t> slot_;
-  Hashes hash_;
-  std::vector<uint64_t> l1_, l2_;
+  // The slots' records, stride() words each; slot 0 is never a block's (a missing block
+  // reads as it: no holders).
+  std::vector<uint64_t> records_;
+  size_t slots_ = 0;  // in use or free, slot 0 included (records_ may hold more, zeroed)
   std::vector<uint32_t> free_;
   std::vector<size_t> held_l1_, held_l2_, held_any_;
-  // Per slot, the store() call that last touched it: finds a hash repeated within one event.
-  std::vector<uint64_t> stamp_;
+  // Per slot (kStamp), the store() call that last touched it: finds a hash repeated within
+  // one event.
   uint64_t stores_ = 0;
+  // Scratch of apply_batch, kept to spare an allocation per call.
+  Hashes hashes_, lost_, unknown_;
+  std::vector<uint32_t> freed_;
 };
 
 }  // namespace
@@ -433,7 +523,8 @@ void bind_tree(nb::module_& m) {
              new (t) Tree(page_size, EventTypes{stored, removed, cleared});
            },
            nb::arg("page_size"), nb::arg("stored"), nb::arg("removed"), nb::arg("cleared"))
-      .def("apply_batch", &Tree::apply_batch, nb::arg("node"), nb::arg("events"))
+      .def("apply_batch", &Tree::apply_batch, nb::arg("node"), nb::arg("events"),
+           nb::arg("counts").none() = nb::none())
       .def("counts", &Tree::counts)
       .def("add_node", &Tree::add_node)
       .def("__len__", &Tree::size)

@@ -46,7 +46,7 @@ chromium:
 test: install sglang-env nginx chromium
 	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_NGINX_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q -m "not heavy"
 
-# The tests marked heavy (minutes of CPU each: a tp=2 SGLang engine, an experiment on Ray),
+# The tests marked heavy (minutes of CPU each: tp=2 SGLang engines, an experiment on Ray),
 # kept out of CI's time; run them before changing what they cover.
 test-heavy: install sglang-env
 	EVINFRA_SGLANG_REQUIRED=1 EVINFRA_SGLANG_VENV=$(SGLANG_VENV) $(PY) -m pytest -q -m heavy

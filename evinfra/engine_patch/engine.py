@@ -12,7 +12,9 @@ calls the hooks make into them (engine process only).
 
 What needs the host tier (eviction, pool, fetch) is off, with a logged reason, when the
 engine runs without ``--enable-hierarchical-cache``, on SGLang's native TreeCore, with
-tensor/data parallelism, or with a host layout the pool cannot address.
+pipeline or data parallelism, or with a host layout the pool cannot address. With tensor
+parallelism each rank serves its shard of the pool and reads its shard of a peer's, the ranks
+deciding each step together (``pool``, ``fetch``, ``ranks``).
 
 :meth:`tick` runs once per scheduler loop iteration (after SGLang processed its inputs).
 """
@@ -71,7 +73,8 @@ class EnginePatch:
             from evinfra.engine_patch.fetch import Fetcher
 
             self.fetcher = Fetcher(scheduler, self.pool.engine, self.pool.layout,
-                                   settings.fetch_timeout_s, settings.lease_ttl_s)
+                                   settings.fetch_timeout_s, settings.lease_ttl_s,
+                                   self.pool.shards, self.pool.rank, self._tp_group())
         elif "fetch" not in self.disabled:
             self.disabled["fetch"] = "needs the pool: " + self.disabled.get("pool", "off")
         for part, why in self.disabled.items():
@@ -91,23 +94,30 @@ class EnginePatch:
         from sglang.srt.runtime_context import get_parallel
 
         par = get_parallel()
-        if par.tp_size != 1 or par.pp_size != 1 or (par.dp_size or 1) != 1:
-            return (f"tp={par.tp_size} pp={par.pp_size} dp={par.dp_size}: the patch drives "
-                    "one scheduler rank per engine")
+        if par.pp_size != 1 or (par.dp_size or 1) != 1:
+            return (f"pp={par.pp_size} dp={par.dp_size}: the pool serves one TP group per "
+                    "engine (its ranks in step)")
         return ""
 
     def _start_pool(self) -> None:
         from evinfra.engine_patch.pool import PoolServer, transfer_engine
 
-        try:
+        def open_engine() -> tuple[Any, str, str]:
             engine = transfer_engine()
             bind, advertise = self.settings.pool_endpoint(self.scheduler.server_args.host,
                                                           engine.get_session_id())
-            self.pool = PoolServer(self.scheduler.tree_cache, engine, bind, advertise,
-                                   self.settings.pool_port)
+            return engine, bind, advertise
+
+        try:
+            self.pool = PoolServer(self.scheduler.tree_cache, open_engine,
+                                   self.settings.pool_port, self._tp_group())
         except Exception as exc:  # noqa: BLE001 - the rest of the patch still works
+            # (On every rank alike: a rank that failed fails the pool of all of them.)
             log.exception("evinfra pool server failed to start")
             self.disabled["pool"] = f"failed to start: {exc}"
+
+    def _tp_group(self) -> Any:
+        return getattr(self.scheduler, "tp_cpu_group", None)
 
     # -- what the engine advertises --------------------------------------------------------
 
@@ -214,8 +224,6 @@ class EnginePatch:
 
     def tick(self) -> bool:
         """True when the scheduler loop must restart (a switch flipped the role)."""
-        if self.pool is not None:
-            self.pool.serve()
         if self.fetcher is not None:
             self.fetcher.tick()
         if self.switch is not None:

@@ -43,7 +43,8 @@ from evinfra.core.hashing import PathHasher
 from evinfra.engine_patch import faults, tree_ops
 from evinfra.engine_patch.fetch_plan import Segment, segments
 from evinfra.engine_patch.pull import Pull, Pulled, Puller
-from evinfra.engine_patch.wire import HostLayout, WireError, find_fetch_plan
+from evinfra.engine_patch.ranks import min_over_ranks
+from evinfra.engine_patch.wire import HostLayout, Shard, WireError, find_fetch_plan
 
 __all__ = ["FetchJob", "Fetcher"]
 
@@ -56,7 +57,7 @@ class FetchJob:
     __slots__ = ("rid", "req", "tokens", "digests", "state", "segments", "local_pages",
                  "end_page", "anchor", "anchor_params", "slots", "fetched_pages", "restored",
                  "load_node", "parked", "released", "times", "outcome", "peers", "timed_out",
-                 "planned_pages")
+                 "planned_pages", "jid", "pulled")
 
     def __init__(self, req: Any, tokens: list[int]) -> None:
         self.rid = req.rid
@@ -80,6 +81,8 @@ class FetchJob:
         self.times: dict[str, float] = {"arrival": time.time()}
         self.outcome = ""
         self.peers: list[str] = []
+        self.jid = -1
+        self.pulled: Pulled | None = None  # this rank's read, used once every rank has one
 
     def record(self, page_size: int) -> dict:
         return {"rid": self.rid, "outcome": self.outcome, "peers": self.peers,
@@ -95,8 +98,10 @@ class Fetcher:
     MAX_JOBS = 4096
 
     def __init__(self, scheduler: Any, engine: Any, layout: HostLayout, timeout_s: float,
-                 lease_ttl_s: float) -> None:
+                 lease_ttl_s: float, shards: list[Shard] | None = None, rank: int = 0,
+                 group: Any = None) -> None:
         self.scheduler = scheduler
+        self.group = group  # the engine's TP ranks, which agree on every job's steps
         self.tree_cache = scheduler.tree_cache
         self.page_size = self.tree_cache.page_size
         self.host = self.tree_cache.cache_controller.mem_pool_host
@@ -112,7 +117,9 @@ class Fetcher:
         self.recent: deque[dict] = deque(maxlen=256)
         self.stats = {"jobs": 0, "plans": 0, "plans_cut": 0, "fetched_pages": 0,
                       "restored_tokens": 0, "timeouts": 0, "failures": 0, "parked": 0}
-        self._puller = Puller(engine, layout, timeout_s, lease_ttl_s, self.page_size)
+        shards = shards or [Shard("", layout)]
+        self._puller = Puller(engine, layout, timeout_s, lease_ttl_s, self.page_size, rank,
+                              len(shards), shards[0].session)
 
     # -- arrival ------------------------------------------------------------------------
 
@@ -172,7 +179,7 @@ class Fetcher:
         self.active[job.rid] = job
         job.peers = sorted({s.peer for s in segs})
         job.times["fetch_start"] = time.time()
-        jid = self._next_id
+        job.jid = jid = self._next_id
         self._next_id += 1
         self._by_id[jid] = job
         self._puller.submit(Pull(jid, job.tokens[: job.end_page * P], segs, job.local_pages,
@@ -250,36 +257,56 @@ class Fetcher:
 
     def tick(self) -> None:
         for done in self._puller.take():
-            job = self._by_id.pop(done.job, None)
+            job = self._by_id.get(done.job)
             if job is not None:
-                self._pulled(job, done)
+                job.pulled = done
+        jobs = list(self.active.values())  # the same jobs, in the same order, on every rank
+        if not jobs:
+            self._unpark()
+            return
         now = time.time()
-        for job in list(self.active.values()):
-            if job.state == LOADING and tree_ops.load_done(self.tree_cache, job.load_node):
+        mine = []
+        for job in jobs:
+            mine += [job.pulled is not None, job.pulled.pages if job.pulled else 0,
+                     job.state == LOADING and tree_ops.load_done(self.tree_cache, job.load_node),
+                     now - job.times["arrival"] <= self.timeout_s]
+        # Every rank takes each step in the same iteration (``ranks``): a read used once
+        # every rank's is done, with the pages all of them read.
+        agreed = min_over_ranks(mine, self.group)
+        for i, job in enumerate(jobs):
+            pulled, pages, loaded, in_time = agreed[4 * i: 4 * i + 4]
+            if job.state == FETCHING and pulled:
+                del self._by_id[job.jid]
+                self._pulled(job, job.pulled, pages)
+            elif job.state == LOADING and loaded:
                 job.times["load_end"] = now
                 self._ready(job)
-            if job.state != READY and not job.timed_out and \
-                    now - job.times["arrival"] > self.timeout_s:
+            if job.state != READY and not job.timed_out and not in_time:
                 job.timed_out = True
                 self.stats["timeouts"] += 1
                 log.warning("evinfra fetch of %s not done after %.1f s (%s): prefilled "
                             "without it", job.rid, self.timeout_s, job.state)
-        if self.parked:
-            keep = []
-            for req in self.parked:
-                job = self.jobs.get(req.rid)
-                if job is None or job.state == READY or job.timed_out:
-                    self._release(req)
-                else:
-                    keep.append(req)
-            self.parked = keep
+        self._unpark()
 
-    def _pulled(self, job: FetchJob, done: Pulled) -> None:
+    def _unpark(self) -> None:
+        if not self.parked:
+            return
+        keep = []
+        for req in self.parked:
+            job = self.jobs.get(req.rid)
+            if job is None or job.state == READY or job.timed_out:
+                self._release(req)
+            else:
+                keep.append(req)
+        self.parked = keep
+
+    def _pulled(self, job: FetchJob, done: Pulled, pages: int) -> None:
+        """The job's read is over on every rank; ``pages``: the leading pages every rank
+        read (no more than this rank's ``done.pages``)."""
         P = self.page_size
         tc = self.tree_cache
         job.times["fetch_end"] = done.end
         job.times["fetch_thread_start"] = done.start
-        pages = done.pages
         slots = job.slots
         if pages * P < len(slots):
             self.host.free(slots[pages * P:])
@@ -303,6 +330,10 @@ class Fetcher:
             job.outcome = f"fetch failed after {pages} pages: {done.error}"
         elif inserted is not None and inserted.dropped:
             job.outcome = "fetched pages dropped by the tree (anchor not on host)"
+        elif pages < done.pages:
+            self.stats["failures"] += 1
+            job.outcome = (f"fetch cut to {pages} of {done.pages} pages: another TP rank "
+                           "read fewer")
         if job.state == FETCHING:
             self._start_load(job)
 

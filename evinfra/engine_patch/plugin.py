@@ -15,7 +15,10 @@ entrypoints.http_server.launch_server                     BEFORE  add /evinfra/*
 managers.scheduler.Scheduler.__init__                     AFTER   build the EnginePatch
 managers.scheduler.Scheduler.get_init_info                AFTER   advertise in /server_info
 managers.scheduler.Scheduler.get_internal_state           AFTER   status for /evinfra/status
-managers.scheduler.Scheduler.handle_rpc_request           AROUND  count hints arrive here
+managers.scheduler.Scheduler.handle_rpc_request           AROUND  count hints and peers'
+                                                                  pool messages arrive here
+managers.scheduler.Scheduler._poll_timeout_aborts         AFTER   rank 0 hands the pool's
+                                                                  messages to every rank
 managers.scheduler.Scheduler.process_input_requests       AFTER   once per loop: tick
 managers.scheduler.Scheduler.handle_pd_role_switch        AROUND  in-place switch
 disaggregation.role_switch._release_prefix_cache_for...   AROUND  keep the cache on a flip
@@ -136,6 +139,8 @@ def hook_table(settings: PatchSettings) -> list[tuple[str, Callable, str, str]]:
     reg(S + "get_init_info", _after_init_info, "AFTER")
     reg(S + "get_internal_state", _after_internal_state, "AFTER")
     reg(S + "handle_rpc_request", _around_rpc, "AROUND")
+    if settings.on("pool"):
+        reg(S + "_poll_timeout_aborts", _after_poll_timeout_aborts, "AFTER")
     reg(S + "process_input_requests", _after_process_input, "AFTER")
     reg(S + "is_fully_idle", _after_is_fully_idle, "AFTER")
     if settings.on("switch"):
@@ -235,13 +240,37 @@ def _after_internal_state(result, self, *args, **kwargs):
 
 def _around_rpc(original: Callable, self, recv_req):
     from evinfra.engine_patch.control import CONTROL_METHOD
+    from evinfra.engine_patch.pool import POOL_METHOD
 
-    if getattr(recv_req, "method", None) != CONTROL_METHOD:
+    method = getattr(recv_req, "method", None)
+    if method not in (CONTROL_METHOD, POOL_METHOD):
         return original(self, recv_req)
     patch = _patch_of(self)
-    if patch is not None:
-        patch.on_control((recv_req.parameters or {}).get("payload", ""))
+    if patch is None:
+        return None
+    if method == POOL_METHOD:
+        if patch.pool is not None:
+            patch.pool.on_message(recv_req.parameters or {})
+        return None  # rank 0 answers the peer on the pool's own socket
+    patch.on_control((recv_req.parameters or {}).get("payload", ""))
     return None  # fire and forget: no reply travels back
+
+
+def _after_poll_timeout_aborts(result, self, *args, **kwargs):
+    """Rank 0 gathers its inputs: the pool's messages from peers join SGLang's own
+    (timeout aborts) in the broadcast to every rank, so that every rank pins and unpins the
+    same pages in the same iteration (``pool``)."""
+    patch = _patch_of(self)
+    if patch is None or patch.pool is None:
+        return result
+    msgs = patch.pool.take_messages()
+    if not msgs:
+        return result
+    from sglang.srt.managers.io_struct import RpcReqInput
+
+    from evinfra.engine_patch.pool import POOL_METHOD
+
+    return [*(result or []), *(RpcReqInput(method=POOL_METHOD, parameters=m) for m in msgs)]
 
 
 def _after_process_input(result, self, *args, **kwargs):

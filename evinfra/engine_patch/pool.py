@@ -10,11 +10,24 @@ LeaseRequest` (the tokens up to the last page, the page range); the server
    thread-safe; the socket thread only queues messages), takes the host slots of the asked
    pages that are in host memory (a leading run of them), and pins them with a host lock so
    they are not evicted while being read;
-2. answers with the slots, its :class:`~evinfra.engine_patch.wire.HostLayout` and its Mooncake
-   session; the peer reads the bytes itself (one-sided ``batch_transfer_sync_read``: the
-   pages go from this engine's host memory straight into the peer's, with no copy through a
-   store, unlike SGLang's Mooncake-store L3, paper A.2);
-3. unpins on :class:`~evinfra.engine_patch.wire.Release`, or when the lease's TTL runs out.
+2. answers with the slots and, per TP rank, a :class:`~evinfra.engine_patch.wire.Shard`
+   (its Mooncake session and :class:`~evinfra.engine_patch.wire.HostLayout`); each rank of
+   the peer reads its own shard itself (one-sided ``batch_transfer_sync_read``: the pages go
+   from this engine's host memory straight into the peer's, with no copy through a store,
+   unlike SGLang's Mooncake-store L3, paper A.2);
+3. unpins once every rank of the reader sent its :class:`~evinfra.engine_patch.wire.Release`,
+   or when the lease's TTL runs out.
+
+**Tensor parallelism.** Each rank's host pool holds its own KV heads of every token (an MLA
+latent is replicated: each rank holds all of it, and each reading rank reads its own replica
+of it, so an MLA fetch moves tp copies of the same bytes). SGLang keeps the ranks' radix trees
+in step (same inputs each iteration, same slots for the same tokens), and a lease must keep
+them so: a pin on rank 0 alone would change what rank 0's host eviction may take. So only rank
+0 has the socket, and it hands every message, and every lease expiry it decides on its own
+clock, to SGLang's input broadcast (a hook on the scheduler's ``_poll_timeout_aborts``, whose
+aborts ride that broadcast for the same reason): every rank pins, answers and unpins in the
+same iteration, and rank 0 replies. The reading engine's ranks ask with one ``key`` and get
+one lease; a reader of another tp is refused (rank i reads shard i).
 
 The server runs in either role: a decode engine's host tier is as readable as a prefill's,
 and stays so across a switch (the buffer is never re-registered). Only host copies are
@@ -28,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -36,10 +49,14 @@ import zmq
 from evinfra.core.hashing import block_hashes
 from evinfra.engine_patch import tree_ops
 from evinfra.engine_patch.layout import host_layout
-from evinfra.engine_patch.wire import (HostLayout, LeaseReply, LeaseRequest, Release,
+from evinfra.engine_patch.ranks import gather, rank_in
+from evinfra.engine_patch.wire import (HostLayout, LeaseReply, LeaseRequest, Release, Shard,
                                        pool_decoder, pool_encoder)
 
-__all__ = ["PoolServer", "host_layout_of", "kv_host_pool", "transfer_engine"]
+__all__ = ["POOL_METHOD", "PoolServer", "host_layout_of", "kv_host_pool", "transfer_engine"]
+
+POOL_METHOD = "evinfra_pool"
+"""The ``RpcReqInput`` method that carries a peer's pool message to every rank."""
 
 log = logging.getLogger("evinfra.engine_patch.pool")
 
@@ -100,28 +117,72 @@ def transfer_engine() -> Any:
 
 
 class _Lease:
-    __slots__ = ("node", "params", "expires", "pages")
+    __slots__ = ("node", "params", "expires", "reply", "key", "ranks", "released",
+                 "expiring")
 
-    def __init__(self, node: Any, params: Any, expires: float, pages: int) -> None:
+    def __init__(self, node: Any, params: Any, expires: float, reply: LeaseReply, key: str,
+                 ranks: int) -> None:
         self.node = node
         self.params = params
-        self.expires = expires
-        self.pages = pages
+        self.expires = expires  # rank 0's clock: rank 0 decides expiries for every rank
+        self.reply = reply
+        self.key = key
+        self.ranks = ranks  # the releases that end it: one per rank of the reading engine
+        self.released = 0
+        self.expiring = False
 
 
 class PoolServer:
-    """Leases this engine's host pages to peers."""
+    """Leases this engine's host pages to peers. With TP every rank registers its own shard
+    of the host pool (its KV heads; an MLA latent is whole on every rank) with its own
+    Mooncake engine; rank 0 alone has the socket, and hands what peers send to every rank
+    through SGLang's input broadcast (:meth:`take_messages`), so that all ranks pin and
+    unpin the same pages in the same iteration (their radix trees stay in step)."""
 
-    def __init__(self, tree_cache: Any, engine: Any, bind_host: str, advertise_host: str,
-                 port: int = 0) -> None:
+    def __init__(self, tree_cache: Any, open_engine: Callable[[], tuple[Any, str, str]],
+                 port: int = 0, group: Any = None) -> None:
+        """``open_engine()``: the Mooncake transfer engine, and the hosts the pool binds and
+        advertises. Every rank of ``group`` builds its part, then they compare: if one rank
+        failed, all raise (no rank serves, or waits for, a shard that is not there)."""
         self.tree_cache = tree_cache
         self.page_size = tree_cache.page_size
-        host_pool = kv_host_pool(tree_cache.cache_controller.mem_pool_host)
-        self.layout = host_layout_of(host_pool)
-        self.engine = engine
-        self.session = engine.get_session_id()
-        buf = host_pool.kv_buffer
-        engine.register(buf.data_ptr(), buf.numel() * buf.element_size())
+        self.rank = rank_in(group)
+        self.address: str | None = None
+        self._stop = threading.Event()
+        try:
+            self.engine, bind_host, advertise_host = open_engine()
+            host_pool = kv_host_pool(tree_cache.cache_controller.mem_pool_host)
+            self.layout = host_layout_of(host_pool)
+            buf = host_pool.kv_buffer
+            self.engine.register(buf.data_ptr(), buf.numel() * buf.element_size())
+            if self.rank == 0:
+                self._open_socket(bind_host, advertise_host, port)
+            own: Any = msgspec.to_builtins(Shard(self.engine.get_session_id(), self.layout))
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it (below)
+            own = f"{type(exc).__name__}: {exc}"
+        shards = gather(own, group)
+        failed = [f"rank {i}: {x}" for i, x in enumerate(shards) if isinstance(x, str)]
+        if failed:
+            self.close()
+            raise RuntimeError("; ".join(failed))
+        self.shards = [msgspec.convert(x, Shard) for x in shards]
+        self._leases: dict[int, _Lease] = {}
+        self._keys: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self.stats = {"leases": 0, "pages_leased": 0, "refused": 0, "released": 0,
+                      "expired": 0, "bad_messages": 0}
+        if self.rank != 0:
+            log.info("evinfra pool shard of TP rank %d (mooncake session %s, host layout %s, "
+                     "%d slots)", self.rank, self.shards[self.rank].session, self.layout.name,
+                     self.layout.slots)
+            return
+        self._thread = threading.Thread(target=self._run, name="evinfra-pool", daemon=True)
+        self._thread.start()
+        log.info("evinfra pool server at %s (%d shard(s), mooncake sessions %s, host layout "
+                 "%s, %d slots)", self.address, len(self.shards),
+                 [x.session for x in self.shards], self.layout.name, self.layout.slots)
+
+    def _open_socket(self, bind_host: str, advertise_host: str, port: int) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -140,17 +201,8 @@ class PoolServer:
         self._wake_tx = self._ctx.socket(zmq.PUSH)
         self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.connect(wake)
-        self._leases: dict[int, _Lease] = {}
-        self._ids = itertools.count(1)
-        self._stop = threading.Event()
-        self.stats = {"leases": 0, "pages_leased": 0, "refused": 0, "released": 0,
-                      "expired": 0, "bad_messages": 0}
-        self._thread = threading.Thread(target=self._run, name="evinfra-pool", daemon=True)
-        self._thread.start()
-        log.info("evinfra pool server at %s (mooncake session %s, host layout %s, %d slots)",
-                 self.address, self.session, self.layout.name, self.layout.slots)
 
-    # -- socket thread ------------------------------------------------------------------
+    # -- socket thread (rank 0) ---------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -180,45 +232,69 @@ class PoolServer:
 
     def close(self) -> None:
         self._stop.set()
+        if getattr(self, "_sock", None) is not None:
+            self._sock.close(linger=0)
 
     # -- scheduler thread ---------------------------------------------------------------
 
-    def serve(self) -> None:
-        """Answer what peers asked since the last call, and end expired leases."""
-        answered = False
+    def take_messages(self) -> list[dict]:
+        """Rank 0, as its scheduler gathers its inputs: what peers sent since, and the
+        leases whose time ran out, each as the parameters of one message that SGLang hands
+        to every rank in the same iteration (:meth:`on_message`)."""
+        if self.rank != 0:
+            return []
+        out: list[dict] = []
         while True:
             try:
                 ident, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            try:
-                msg = pool_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self.stats["bad_messages"] += 1
-                reply = LeaseReply(False, reason=f"bad message: {exc}")
-            else:
-                if isinstance(msg, LeaseRequest):
-                    reply = self._lease(msg)
-                elif isinstance(msg, Release):
-                    self._release(msg.lease)
-                    continue
-                else:
-                    reply = LeaseReply(False, reason="unexpected message")
-            self._outbox.put((ident, pool_encoder.encode(reply)))
-            answered = True
-        if answered:
-            self._wake_tx.send(b"")
+            out.append({"ident": ident.hex(), "payload": payload.hex()})
         if self._leases:
             now = time.monotonic()
-            for lid in [k for k, v in self._leases.items() if v.expires < now]:
+            for lid, lease in self._leases.items():
+                if lease.expires < now and not lease.expiring:
+                    lease.expiring = True
+                    out.append({"expire": lid})
+        return out
+
+    def on_message(self, params: dict) -> None:
+        """Every rank, in the same iteration: one message of :meth:`take_messages`. Rank 0
+        answers the peer."""
+        if "expire" in params:
+            if params["expire"] in self._leases:
                 self.stats["expired"] += 1
-                self._release(lid)
+                self._end(params["expire"])
+            return
+        try:
+            msg = pool_decoder.decode(bytes.fromhex(params["payload"]))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self.stats["bad_messages"] += 1
+            reply = LeaseReply(False, reason=f"bad message: {exc}")
+        else:
+            if isinstance(msg, LeaseRequest):
+                reply = self._lease(msg)
+            elif isinstance(msg, Release):
+                self._release(msg.lease)
+                return
+            else:
+                reply = LeaseReply(False, reason="unexpected message")
+        if self.rank == 0:
+            self._outbox.put((bytes.fromhex(params["ident"]), pool_encoder.encode(reply)))
+            self._wake_tx.send(b"")
 
     def _lease(self, req: LeaseRequest) -> LeaseReply:
         P = self.page_size
+        if req.ranks != len(self.shards):
+            self.stats["refused"] += 1
+            return LeaseReply(False, reason=(
+                f"this engine serves {len(self.shards)} TP shard(s), the asking engine has "
+                f"tp={req.ranks}: rank i reads shard i, so both need the same tp"))
         if req.end_page <= req.start_page or len(req.tokens) < req.end_page * P:
             self.stats["refused"] += 1
             return LeaseReply(False, reason="bad page range")
+        if req.key and req.key in self._keys:  # another rank of the same reader
+            return self._leases[self._keys[req.key]].reply
         tokens = req.tokens[: req.end_page * P]
         if req.hashes:
             want = block_hashes(tokens, P)[req.start_page: req.end_page]
@@ -226,32 +302,45 @@ class PoolServer:
                 self.stats["refused"] += 1
                 return LeaseReply(False, reason="block hashes do not match the tokens")
         tc = self.tree_cache
+        none = LeaseReply(True, shards=self.shards)
         result = tree_ops.match(tc, tokens)
         if result.best_match_node is None:
-            return LeaseReply(True, session=self.session, layout=self.layout)
+            return none
         slots = tree_ops.host_slots_to(tc.tree_core, result.best_match_node)
         pages = min(len(slots) // P, req.end_page) - req.start_page
         if pages <= 0:
-            return LeaseReply(True, session=self.session, layout=self.layout)
+            return none
         # Pin the deepest node whose host copy we hand out (and so its ancestors).
         node = tree_ops.host_tail(tc.tree_core, result.best_match_node)
         params = tree_ops.lock_host(tc, node)
         lid = next(self._ids)
-        self._leases[lid] = _Lease(node, params, time.monotonic() + req.ttl_s, pages)
+        chosen = slots[req.start_page * P: (req.start_page + pages) * P]
+        reply = LeaseReply(True, lease=lid, shards=self.shards, pages=pages,
+                           slots=chosen.tolist())
+        self._leases[lid] = _Lease(node, params, time.monotonic() + req.ttl_s, reply, req.key,
+                                   req.ranks)
+        if req.key:
+            self._keys[req.key] = lid
         self.stats["leases"] += 1
         self.stats["pages_leased"] += pages
-        chosen = slots[req.start_page * P: (req.start_page + pages) * P]
-        return LeaseReply(True, lease=lid, session=self.session, layout=self.layout,
-                          pages=pages, slots=chosen.tolist())
+        return reply
 
     def _release(self, lid: int) -> None:
-        lease = self._leases.pop(lid, None)
+        lease = self._leases.get(lid)
         if lease is None:
             return
-        self.stats["released"] += 1
+        lease.released += 1
+        if lease.released >= lease.ranks:
+            self.stats["released"] += 1
+            self._end(lid)
+
+    def _end(self, lid: int) -> None:
+        lease = self._leases.pop(lid)
+        if lease.key:
+            self._keys.pop(lease.key, None)
         tree_ops.unlock_host(self.tree_cache, lease.node, lease.params)
 
     def status(self) -> dict:
-        return {"address": self.address, "session": self.session,
-                "layout": msgspec.to_builtins(self.layout), "open_leases": len(self._leases),
-                **self.stats}
+        return {"address": self.address, "rank": self.rank,
+                "shards": msgspec.to_builtins(self.shards),
+                "open_leases": len(self._leases), **self.stats}

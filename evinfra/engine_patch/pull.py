@@ -4,6 +4,8 @@ Per job (:class:`Pull`), per segment: a lease from the peer's pool server (ZMQ D
 socket per peer, dropped after a timeout so a late answer is never read as the next one), one
 Mooncake ``batch_transfer_sync_read`` of the leased slots straight into the job's local host
 slots (chunks merged by :func:`~evinfra.engine_patch.layout.transfer_chunks`), and a release.
+With TP every rank runs its own puller: rank i asks with the job's key (the same on every
+rank: one lease for all of them) and reads the peer's shard i into its own host pool.
 A segment that comes back short ends the job: later pages could not attach to the prefix. The
 outcome (:class:`Pulled`: pages read, error) goes back to the scheduler thread, which alone
 touches the radix tree.
@@ -47,9 +49,12 @@ class Puller:
     """The I/O thread: leases, reads, releases. Owns its ZMQ sockets."""
 
     def __init__(self, engine: Any, layout: HostLayout, timeout_s: float, lease_ttl_s: float,
-                 page_size: int) -> None:
+                 page_size: int, rank: int = 0, ranks: int = 1, reader: str = "") -> None:
         self.engine = engine
         self.layout = layout
+        self.rank = rank
+        self.ranks = ranks
+        self.reader = reader  # names this engine in lease keys (its rank 0's session)
         self.timeout_ms = int(timeout_s * 1000)
         self.ttl_s = lease_ttl_s
         self.page_size = page_size
@@ -94,7 +99,8 @@ class Puller:
                 break  # an earlier segment came back short: the rest cannot attach
             reply = self._ask(seg.peer, LeaseRequest(
                 tokens=pull.tokens[: seg.end * P], start_page=seg.start, end_page=seg.end,
-                ttl_s=self.ttl_s))
+                ttl_s=self.ttl_s, key=f"{self.reader}/{pull.job}/{seg.start}",
+                ranks=self.ranks))
             if reply is None:
                 return got, f"no answer from {seg.peer}"
             if not reply.ok:
@@ -102,14 +108,18 @@ class Puller:
             if reply.pages <= 0:
                 return got, f"{seg.peer} holds none of pages {seg.start}..{seg.end} on host"
             try:
+                if len(reply.shards) != self.ranks:  # (the peer checks it too)
+                    return got, (f"{seg.peer} serves {len(reply.shards)} TP shard(s), this "
+                                 f"engine has tp={self.ranks}")
+                shard = reply.shards[self.rank]
                 lo = (seg.start - pull.local_pages) * P
                 local = pull.slots[lo: lo + reply.pages * P]
-                la, ra, ln = transfer_chunks(self.layout, reply.layout, local, reply.slots)
-                rc = self.engine.engine.batch_transfer_sync_read(reply.session, la, ra, ln)
+                la, ra, ln = transfer_chunks(self.layout, shard.layout, local, reply.slots)
+                rc = self.engine.engine.batch_transfer_sync_read(shard.session, la, ra, ln)
             finally:
                 self._send(seg.peer, Release(reply.lease))
             if rc != 0:
-                return got, f"mooncake read from {reply.session} failed (rc={rc})"
+                return got, f"mooncake read from {shard.session} failed (rc={rc})"
             got += reply.pages
             if reply.pages < seg.pages:
                 return got, ""

@@ -45,6 +45,7 @@ __all__ = [
     "COUNT_HINTS_PATH", "DRAIN_TIMEOUT_S", "FETCH_ACTION", "FETCH_VERSION", "ITERATIONS_PATH",
     "KV_RESYNC_PATH", "STATUS_PATH", "CountHints", "FetchPlan", "FetchRunWire", "HostLayout",
     "IterationLog", "IterationRecord", "LeaseReply", "LeaseRequest", "PatchInfo", "Release",
+    "Shard",
     "WireError", "decode_count_hints", "decode_iterations", "fetch_kv_hints", "find_fetch_plan",
     "restored_tokens",
 ]
@@ -282,22 +283,38 @@ class LeaseRequest(msgspec.Struct, tag="lease", frozen=True):
     end_page: NonNeg
     hashes: list[Int64] = []
     ttl_s: float = 30.0
+    key: str = ""
+    """Names the lease across the asking engine's TP ranks: each rank asks for the same
+    pages with the same key and gets the same lease (one pin, its slots); ``""``: a lease of
+    its own."""
+    ranks: Pos = 1
+    """The asking engine's TP size: how many ranks read (and release) the lease. It must
+    equal the peer's: rank i reads the peer's shard i."""
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):
     lease: int
 
 
+class Shard(msgspec.Struct, frozen=True):
+    """One TP rank's part of an engine's host pool: its Mooncake session and the layout of
+    its host buffer (with TP each rank holds its KV heads of every token; an MLA latent is
+    whole on every rank). The same slot holds the same token on every rank: SGLang keeps the
+    ranks' radix trees in step."""
+
+    session: str
+    layout: HostLayout
+
+
 class LeaseReply(msgspec.Struct, tag="reply", frozen=True):
     """``pages`` leading pages of the asked range are pinned on host (maybe fewer than asked:
     the rest is not in the peer's host memory); ``slots`` are their host slots, one per
-    token."""
+    token, the same on every rank; ``shards`` the peer's ranks, in rank order."""
 
     ok: bool
     reason: str = ""
     lease: int = -1
-    session: str = ""
-    layout: HostLayout | None = None
+    shards: list[Shard] = []
     pages: int = 0
     slots: list[int] = []
 

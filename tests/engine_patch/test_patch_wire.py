@@ -4,10 +4,13 @@ reuse counts in ``cached_tokens_details`` and the pool's lease messages."""
 import msgspec
 import pytest
 
+from evinfra.engine_patch.layout import host_layout
 from evinfra.engine_patch.wire import (FETCH_ACTION, FetchPlan, FetchRunWire, LeaseReply,
-                                       LeaseRequest, Release, WireError, decode_count_hints,
-                                       fetch_kv_hints, find_fetch_plan, pool_decoder,
-                                       pool_encoder, restored_tokens)
+                                       LeaseRequest, Release, Shard, WireError,
+                                       decode_count_hints, fetch_kv_hints, find_fetch_plan,
+                                       pool_decoder, pool_encoder, restored_tokens)
+
+LAYOUT = host_layout("layer_first", 4096, 64, 2, 32, 4)
 
 
 def test_count_hints_are_the_directory_delta():
@@ -62,7 +65,9 @@ def test_reuse_counts_from_cached_tokens_details():
 
 def test_lease_messages_round_trip():
     for msg in (LeaseRequest([1, 2, 3, 4], 0, 1, [9]), Release(7),
-                LeaseReply(True, lease=3, session="h:1", pages=1, slots=[0, 1, 2, 3])):
+                LeaseRequest([1, 2, 3, 4], 0, 1, key="s/7/0", ranks=2),
+                LeaseReply(True, lease=3, shards=[Shard("h:1", LAYOUT), Shard("h:2", LAYOUT)],
+                           pages=1, slots=[0, 1, 2, 3])):
         assert pool_decoder.decode(pool_encoder.encode(msg)) == msg
     with pytest.raises(msgspec.ValidationError):
         pool_decoder.decode(pool_encoder.encode({"type": "lease", "tokens": "x"}))

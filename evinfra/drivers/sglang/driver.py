@@ -348,9 +348,9 @@ class SGLangDriver:
         except Exception as exc:  # noqa: BLE001 - mapped into a clear failure at the boundary
             self._fail(f, from_exception(exc, "prefill"))
         finally:
-            self.pairs.prefill_over(f.request, self.node)
+            self.pairs.prefill_over(f.request, self.node, f.bootstrap.room)
             if not done:
-                self.pairs.close(f.request, self.node)
+                self.pairs.close(f.request, self.node, f.bootstrap.room)
             self._forget(f)
 
     def _prefill_done(self, f: _Leg, chunk: Chunk, prompt: bool) -> None:
@@ -399,7 +399,7 @@ class SGLangDriver:
                     logprobs = cursor.new_logprobs(item)
                     if wait and tokens:
                         wait = False
-                        await self.pairs.wait_prefill(f.request, f.source,
+                        await self.pairs.wait_prefill(f.request, f.source, f.bootstrap.room,
                                                       self.settings.finish_wait_s)
                         if f.closed:
                             return
@@ -410,7 +410,7 @@ class SGLangDriver:
                         continue
                     # The last chunk: let the prefill half report first, so the request's
                     # record carries its cached tokens.
-                    await self.pairs.wait_prefill(f.request, f.source,
+                    await self.pairs.wait_prefill(f.request, f.source, f.bootstrap.room,
                                                   self.settings.finish_wait_s)
                     if f.closed:
                         return
@@ -426,7 +426,7 @@ class SGLangDriver:
         except Exception as exc:  # noqa: BLE001 - mapped into a clear failure at the boundary
             self._fail(f, from_exception(exc, "decode"))
         finally:
-            self.pairs.close(f.request, f.source)
+            self.pairs.close(f.request, f.source, f.bootstrap.room)
             self._forget(f)
 
     async def _chunks(self, resp: aiohttp.ClientResponse):
@@ -460,8 +460,8 @@ class SGLangDriver:
         if f.task is not None:
             f.task.cancel()
         if f.kind == "prefill":
-            self.pairs.prefill_over(f.request, self.node)
-            self.pairs.close(f.request, self.node)
+            self.pairs.prefill_over(f.request, self.node, f.bootstrap.room)
+            self.pairs.close(f.request, self.node, f.bootstrap.room)
         self._forget(f)
         if f.accepted or f.kind == "prefill":
             # The engine may hold it (a prefill waits in its bootstrap queue): free it there.

@@ -7,6 +7,10 @@ prefill engine's bootstrap address here. The book also tells the decode driver w
 half is over, so a request's ``PrefillDone`` (with the cached-token count the client's
 ``usage`` reports) is published before its last ``TokensOut`` closes it. With the engine patch
 it also holds each engine's pool address, which a fetch plan names for a peer node.
+
+A leg ends its own room only (``room``): a prefill that failed before its engine accepted it
+is routed again from inside its failure's event, maybe to the same node, so a new room for
+the same (request, node) is open before the failed leg has ended.
 """
 
 from __future__ import annotations
@@ -64,14 +68,19 @@ class PairBook:
         pair = self._pairs.get((request, prefill))
         return pair.bootstrap if pair is not None else None
 
-    def prefill_over(self, request: RequestId, prefill: NodeId) -> None:
-        """The prefill half ended (done, failed or aborted)."""
+    def _pair(self, request: RequestId, prefill: NodeId, room: int) -> _Pair | None:
         pair = self._pairs.get((request, prefill))
+        return pair if pair is not None and pair.bootstrap.room == room else None
+
+    def prefill_over(self, request: RequestId, prefill: NodeId, room: int) -> None:
+        """The prefill half in ``room`` ended (done, failed or aborted)."""
+        pair = self._pair(request, prefill, room)
         if pair is not None:
             pair.prefill_over.set()
 
-    async def wait_prefill(self, request: RequestId, prefill: NodeId, timeout: float) -> bool:
-        pair = self._pairs.get((request, prefill))
+    async def wait_prefill(self, request: RequestId, prefill: NodeId, room: int,
+                           timeout: float) -> bool:
+        pair = self._pair(request, prefill, room)
         if pair is None:
             return True
         try:
@@ -80,8 +89,9 @@ class PairBook:
             return False
         return True
 
-    def close(self, request: RequestId, prefill: NodeId) -> None:
-        self._pairs.pop((request, prefill), None)
+    def close(self, request: RequestId, prefill: NodeId, room: int) -> None:
+        if self._pair(request, prefill, room) is not None:
+            del self._pairs[(request, prefill)]
 
     def __len__(self) -> int:
         return len(self._pairs)

@@ -156,9 +156,9 @@ def test_pair_book_gives_the_decode_side_the_prefill_room():
     assert 0 <= b1.room < 2**63
     b2 = book.open("r", "p", now=1.0)  # a re-dispatch never reuses the room
     assert b2.room != b1.room
-    book.prefill_over("r", "p")
-    assert asyncio.run(book.wait_prefill("r", "p", 0.1))
-    book.close("r", "p")
+    book.prefill_over("r", "p", b2.room)
+    assert asyncio.run(book.wait_prefill("r", "p", b2.room, 0.1))
+    book.close("r", "p", b2.room)
     assert book.find("r", "p") is None
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from functools import partial
 from typing import Annotated, Literal
 
 import msgspec
@@ -32,7 +33,8 @@ from aiohttp import web
 from evinfra.api.constraints import check_served, tools_schema
 from evinfra.api.schemas import AgentHints, TopP, decode_body
 from evinfra.api.serving import (NO_IMAGES, Sample, chat_reader, check_model, joined_text,
-                                 max_tokens_for, sse_event, stop_strings, submit_one, whole)
+                                 max_tokens_for, output_ready, stop_strings, submit_one, whole)
+from evinfra.api.sse import EventStream, sse_event
 from evinfra.api.tokenizer import Tokenizer, continue_final
 from evinfra.api.tool_calls import ToolCall
 from evinfra.core.contracts import Sampling
@@ -344,8 +346,7 @@ class AnthropicRoutes:
                       ) -> web.StreamResponse:
         # An error before the first output leaves as an ordinary error response.
         first = await stream.__anext__()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = EventStream(partial(output_ready, [sample]))
         out, blocks = sample.out, _Blocks()
 
         # The prompt's prefill is over at the first output: its reuse is known, on the
@@ -384,8 +385,8 @@ class AnthropicRoutes:
         await resp.prepare(request)
         try:
             async for data in events():
-                await resp.write(data)
-            await resp.write_eof()
+                await resp.send(data)
+            await resp.end()
         except ConnectionResetError:
             pass  # the client went away: no traceback; messages() stops the request
         return resp

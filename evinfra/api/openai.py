@@ -17,6 +17,7 @@ import asyncio
 import math
 import time
 import uuid
+from functools import partial
 from typing import AsyncIterator, Callable, Sequence
 
 import msgspec
@@ -30,7 +31,9 @@ from evinfra.api.schemas import (ChatCompletionRequest, CompletionRequest, Detok
                                  TokenizeRequest, ToolChoice, decode_body, refuse_unserved,
                                  template_kwargs)
 from evinfra.api.serving import (ChatOutput, Sample, chat_reader, check_model, max_tokens_for,
-                                 outputs, read_hints, reasoning_tokens, stop_strings, whole)
+                                 output_ready, outputs, read_hints, reasoning_tokens,
+                                 stop_strings, whole)
+from evinfra.api.sse import EventStream
 from evinfra.api.tokenizer import Tokenizer, continue_final, message_text
 from evinfra.api.tool_calls import ToolCall
 from evinfra.core.contracts import Sampling
@@ -451,8 +454,6 @@ class OpenAIRoutes:
     async def _stream(self, request: web.Request, rid: str, body, samples: list[Sample],
                       streams: list, chat: bool, prompt: int, count: int,
                       echo: _Echo) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         enc = msgspec.json.encode
@@ -555,12 +556,12 @@ class OpenAIRoutes:
                                      "code": None}})
             yield b"data: [DONE]\n\n"
 
+        resp = EventStream(partial(output_ready, samples))
         await resp.prepare(request)
         try:
             async for data in events():
-                if data:
-                    await resp.write(data)
-            await resp.write_eof()
+                await resp.send(data)
+            await resp.end()
         except ConnectionResetError:
             # The client went away mid-stream, an everyday event: end the handler without
             # raising (aiohttp would log a traceback per disconnect); _serve stops the choices.

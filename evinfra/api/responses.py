@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 from typing import Annotated, Awaitable, Callable, Literal
 
 import msgspec
@@ -39,8 +40,9 @@ from evinfra.api.schemas import (AgentHints, Effort, Temperature, TopP, decode_b
                                  template_kwargs)
 from evinfra.api.response_store import ResponseStore, Stored
 from evinfra.api.serving import (Sample, Stops, chat_reader, check_model, joined_text,
-                                 max_tokens_for, read_hints, reasoning_tokens, sse_event,
+                                 max_tokens_for, output_ready, read_hints, reasoning_tokens,
                                  submit_one)
+from evinfra.api.sse import EventStream, sse_event
 from evinfra.api.tokenizer import Tokenizer, call_arguments
 from evinfra.api.tool_calls import ToolCall
 from evinfra.core.contracts import Sampling
@@ -489,8 +491,7 @@ class _Answer:
     async def write_stream(self, request: web.Request, stream) -> web.StreamResponse:
         # An error before the first output leaves as an ordinary error response.
         first = await stream.__anext__()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+        resp = EventStream(partial(output_ready, [self.sample]))
         items = _Items()
         items.emit({"type": "response.created", "response": self.response("in_progress", [])})
         items.emit({"type": "response.in_progress", "response": self.response("in_progress", [])})
@@ -507,13 +508,13 @@ class _Answer:
                 items.emit({"type": "error", "code": None, "message": exc.message,
                             "param": None})
             await self._flush(resp, items)
-            await resp.write_eof()
+            await resp.end()
         except ConnectionResetError:
             pass  # the client went away: no traceback; responses() stops the request
         return resp
 
     @staticmethod
-    async def _flush(resp: web.StreamResponse, items: _Items) -> None:
+    async def _flush(resp: EventStream, items: _Items) -> None:
         if items.events:
-            await resp.write(b"".join(map(sse_event, items.events)))
+            await resp.send(b"".join(map(sse_event, items.events)))
             items.events.clear()

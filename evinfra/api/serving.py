@@ -35,9 +35,8 @@ from evinfra.core.events import RequestDone, TokenLogprobs
 from evinfra.errors import EvinfraError, RequestError
 
 __all__ = ["NO_IMAGES", "Channel", "ChatOutput", "Detokenizer", "Sample", "Stops",
-           "chat_reader", "check_model", "joined_text", "max_tokens_for", "outputs",
-           "read_hints", "reasoning_tokens", "sse_event", "stop_strings", "submit_one",
-           "whole"]
+           "chat_reader", "check_model", "joined_text", "max_tokens_for", "output_ready",
+           "outputs", "read_hints", "reasoning_tokens", "stop_strings", "submit_one", "whole"]
 
 NO_IMAGES = "images are not served: the model reads text"
 
@@ -161,12 +160,6 @@ def joined_text(content: str | Sequence[object], param: str, sep: str) -> str:
     return sep.join(part.text for part in content)  # type: ignore[attr-defined]
 
 
-def sse_event(event: dict) -> bytes:
-    """A server-sent event named by its ``type``, as Anthropic's and the Responses API's
-    streams write them."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
-
-
 class Stops(NamedTuple):
     """What ends an output here, besides the engine: its ``strings`` (none empty), from the
     ``min_tokens``-th token on (as in SGLang and vLLM, nothing stops an output before: the
@@ -287,6 +280,18 @@ class Sample:
     @property
     def logprobs(self) -> LogprobReader | None:
         return self.channel.logprobs
+
+
+def output_ready(samples: Sequence[Sample]) -> bool:
+    """Whether the samples' outputs can be read on without waiting: one has output queued,
+    or all are over (what is left of them is all queued). An :class:`EventStream`'s
+    ``ready``."""
+    over = True
+    for s in samples:  # (a loop: this runs for every event a stream writes)
+        if s.channel.queue.qsize():
+            return True
+        over = over and s.channel.record is not None
+    return over
 
 
 def reasoning_tokens(tok: Tokenizer, samples: Sequence[Sample]) -> int:

@@ -4,8 +4,9 @@ A policy is a named composition of six parts, each a hook point of the one contr
 
 ==============  ============================================================================
 ``router``      the prefill strategy: ``ttft`` (Eq. 7, evinfra), ``cache-aware`` (SGLang
-                Model Gateway), ``dynamo-kv`` (Dynamo's KV router cost), ``full-input``
-                (Arrow), ``thunderagent`` (program pausing around cache-aware)
+                Model Gateway), ``sticky`` (the gateway's sticky sessions), ``dynamo-kv``
+                (Dynamo's KV router cost), ``full-input`` (Arrow), ``thunderagent``
+                (program pausing around cache-aware)
 ``decode``      when and where decode binds: ``prefill-start`` (KV room, fewest requests;
                 evinfra, D.1) or ``submit-round-robin`` (SGLang PD: at submit, round robin,
                 the decode node reserving the KV while the request queues)
@@ -42,6 +43,7 @@ from evinfra.baselines.arrow import ArrowConfig, FullInputRouter, SLOPlanner
 from evinfra.baselines.dynamo import KVRouter, KVRouterConfig, LoadPlanner, LoadPlannerConfig
 from evinfra.baselines.sglang import CacheAware, CacheAwareConfig, RoundRobin
 from evinfra.baselines.static import StaticPlanner
+from evinfra.baselines.sticky import Sticky, StickyConfig
 from evinfra.baselines.thunderagent import ProgramScheduler, ThunderAgentConfig
 from evinfra.core.types import NodeId
 from evinfra.planner.planner import Planner, PlannerConfig, SplitPlanner
@@ -51,15 +53,16 @@ from evinfra.router.strategy import (DecodeStrategy, FewestRequests, PrefillStra
 __all__ = ["POLICIES", "PRESETS", "Components", "PolicyConfig", "PolicySpec", "build",
            "engine_overrides", "resolve"]
 
-RouterKind = Literal["ttft", "cache-aware", "dynamo-kv", "full-input", "thunderagent"]
+RouterKind = Literal["ttft", "cache-aware", "sticky", "dynamo-kv", "full-input",
+                     "thunderagent"]
 DecodeKind = Literal["prefill-start", "submit-round-robin"]
 PlannerKind = Literal["evinfra", "evinfra-fixed", "static", "dynamo", "arrow"]
 SwitchKind = Literal["in-place", "relaunch"]
 EvictionKind = Literal["count", "lru"]
 FetchKind = Literal["queued", "prefill-start", "none"]
 PolicyName = Literal["evinfra", "evinfra-fixed", "evinfra-lru", "evinfra-fetch-at-start",
-                     "evinfra-cache-aware", "static-sglang", "dynamo", "dynamo-kv",
-                     "dynamo-pool", "arrow", "thunderagent"]
+                     "evinfra-cache-aware", "static-sglang", "sticky-sglang", "dynamo",
+                     "dynamo-kv", "dynamo-pool", "arrow", "thunderagent"]
 
 
 class PolicySpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,6 +101,10 @@ PRESETS: dict[str, PolicySpec] = {
         _EVINFRA, router="cache-aware",
         about="evinfra with the SGLang gateway's cache-aware routing instead of Eq. 7 (D.5)"),
     "static-sglang": _SGLANG,
+    "sticky-sglang": msgspec.structs.replace(
+        _SGLANG, router="sticky",
+        about="SGLang PD at a fixed split behind the SGLang Model Gateway's sticky sessions "
+              "(its manual policy keyed by agent; paper 3.3, Fig. 3c: sticky)"),
     "dynamo": msgspec.structs.replace(
         _SGLANG, planner="dynamo", switch="relaunch",
         about="Dynamo v1.5.1 as run in paper 6.1: its load planner (throughput target) with "
@@ -134,6 +141,7 @@ class PolicyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     eviction: EvictionKind | None = None
     peer_fetch: FetchKind | None = None
     cache_aware: CacheAwareConfig = CacheAwareConfig()
+    sticky: StickyConfig = StickyConfig()
     dynamo_router: KVRouterConfig = KVRouterConfig()
     dynamo_planner: LoadPlannerConfig = LoadPlannerConfig()
     arrow: ArrowConfig = ArrowConfig()
@@ -169,6 +177,8 @@ def build(policy: PolicyConfig, planner: PlannerConfig, nodes: Sequence[NodeId],
         prefill = TTFTStrategy()
     elif spec.router == "cache-aware":
         prefill = CacheAware(policy.cache_aware, page_size)
+    elif spec.router == "sticky":
+        prefill = Sticky(policy.sticky)
     elif spec.router == "dynamo-kv":
         prefill = KVRouter(policy.dynamo_router, page_size)
     elif spec.router == "full-input":

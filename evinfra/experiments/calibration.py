@@ -18,8 +18,9 @@ Rows (paper figure -> the input it constrains):
   lost KV reuse -> the relaunch time, the memory sizes against each workload's contexts.
 * Fig. 3a, Arrow on CC 90 from 6P3D: 34 switches, 55.5 % lost reuse -> the in-place switch
   that strands KV, the workload's reuse structure.
-* Fig. 3c, routers at 4P5D on CC 90: P95 TTFT 27 s (cache-aware), 65 s (Dynamo's KV
-  router), 95 s (+ memory pool) -> the load the engine sees, host fetch cost.
+* Fig. 3c, routers at 4P5D on CC 90: P95 TTFT 27 s (cache-aware), 34 s (sticky sessions),
+  65 s (Dynamo's KV router), 95 s (+ memory pool) -> the load the engine sees, host fetch
+  cost.
 * Table D.4, cache-aware routing at 4P5D on CC 126 (minutes 30-85): 2.4 % lost reuse; and
   ThunderAgent 0.95x its throughput, 1.14x its mean TTFT -> memory sizes, CC's contexts.
 
@@ -27,8 +28,10 @@ Rows (paper figure -> the input it constrains):
   359 s) and after a compaction (14 %, after 12 s), from the best static CC run's requests
   by tag -> CC's sub-agent and compaction structure.
 
-Not yet measured by the simulator, and said so in the table: D.6 (prefill idle time under
-upstream SGLang).
+* D.6 / Table D.5, upstream SGLang at 4P5D on CC 126 (minutes 30-85), fetched KV loaded
+  when the prefill starts (tableD5's upstream run): prefill idle GPU time 23.6 % -> the
+  load-back cost against the prefill iteration time, and how often a prefill reads host KV
+  (memory pressure).
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ PAPER_C1 = {  # (workload, agents): switches, mean switch time (s), KV hit (%), 
     ("osworld", 128): (5, 666, 89.79, 4.00), ("osworld", 144): (4, 730, 92.01, 1.85),
     ("osworld", 160): (4, 748, 90.67, 3.24)}
 """Table C.1, Dynamo's columns."""
-ROUTERS = (("cache-aware", "static-sglang", 27.0), ("Dynamo KV router", "dynamo-kv", 65.0),
-           ("+ memory pool", "dynamo-pool", 95.0))
+ROUTERS = (("cache-aware", "static-sglang", 27.0), ("sticky sessions", "sticky-sglang", 34.0),
+           ("Dynamo KV router", "dynamo-kv", 65.0), ("+ memory pool", "dynamo-pool", 95.0))
 """Fig. 3c: P95 TTFT (s) at 4P5D on CC with 90 agents."""
 PAPER_SPLIT = 4
 """4P5D: the split at which the paper measured Fig. 3c and Table D.4."""
@@ -94,6 +97,10 @@ def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
         out.append(closed(f"d4-{policy}", policy,
                           system(config, policy, prefill=PAPER_SPLIT, fixed=True), scale, seed,
                           {"cc": scale.count(126)}, duration))
+    out.append(closed("d6-upstream-sglang", "upstream SGLang",
+                      system(config, "static-sglang", prefill=PAPER_SPLIT, fixed=True,
+                             peer_fetch="prefill-start"),
+                      scale, seed, {"cc": scale.count(126)}, duration))
     return out
 
 
@@ -174,8 +181,10 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
              _row("Fig. 2c", "mean compaction call before it (s), CC", 12.0,
                   after["compact"].mean_e2e if after["compact"] else None,
                   "CC's summary length against the engine's decode speed"),
-             ["D.6 / Table D.5", "prefill idle time under upstream SGLang (%)", 23.6, None,
-              None, "not measured yet", "fetch cost against prefill iteration time"]]
+             _row("D.6 / Table D.5", "prefill idle GPU time under upstream SGLang (%), "
+                  "4P5D, CC 126", 23.6, 100 * idle if (idle := _idle(runs)) is not None
+                  else None, "the load-back cost (load_back_s) against the prefill iteration "
+                  "time; how often a prefill reads host KV (memory pressure)")]
     measured = [r for r in rows if isinstance(r[4], float)]
     within = sum(1 for r in measured if r[5] == "yes")
     tables = [
@@ -194,6 +203,11 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
     ]
     return ExperimentReport(name="calibration", title=TITLE, scale=scale.describe(),
                             config=config_path, seed=seed, tables=tables, runs=runs), []
+
+
+def _idle(runs: dict[str, RunOutcome]) -> float | None:
+    o = runs.get("d6-upstream-sglang")
+    return None if o is None else o.extras.get("prefill_idle_share")
 
 
 def _ratio(a: Summary, b: Summary, field: str) -> float | None:

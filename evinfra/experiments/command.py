@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--only", metavar="GLOB",
                    help="play only the runs whose key matches (the others come from earlier "
                         "outcomes in OUT/runs/, or are left out of the tables)")
+    e.add_argument("--latency-rule", action="store_true",
+                   help="also play evinfra with planner.objective = \"latency\" beside the "
+                        "paper's rule (issue 43; fig6, fig7)")
     e.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="error")
     e.set_defaults(func=run)
 
@@ -78,7 +82,15 @@ def run(args: argparse.Namespace) -> int:
     scale = QUICK if args.quick else FULL
     config = load_config(args.config)
     out = Path(args.out or f"runs/{args.name}{'-quick' if args.quick else ''}")
-    plans = experiment.plans(config, scale, args.seed)
+    options = {"latency_rule": True} if args.latency_rule else {}
+    if options and "latency_rule" not in inspect.signature(experiment.plans).parameters:
+        raise ConfigError(f"--latency-rule: {args.name} does not play the latency rule "
+                          "(fig6 and fig7 do; tableD2 always does)")
+    plans = experiment.plans(config, scale, args.seed, **options)
+    # An experiment that measures inside its runs plays them itself (issue 43's probe).
+    play_plans = getattr(experiment, "run_plans", run_plans)
+    if args.ray is not None and play_plans is not run_plans:
+        raise ConfigError(f"--ray: {args.name} plays its runs in processes only")
     # Runs that depend on others' outcomes (at the best static split a sweep chooses) come
     # from ``followups`` once those are in: a second stage.
     followups = getattr(experiment, "followups", None)
@@ -115,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                 progress(o, i, len(todo))
             runs.update(played)
         else:
-            runs.update(run_plans(todo, jobs=args.jobs, progress=progress))
+            runs.update(play_plans(todo, jobs=args.jobs, progress=progress))
 
     play(todo)
     if followups is not None:

@@ -6,12 +6,13 @@ import msgspec
 
 from evinfra.config import Config
 from evinfra.experiments.runs import RunOutcome, RunPlan
-from evinfra.experiments.scale import Scale
+from evinfra.experiments.scale import FULL, Scale
 from evinfra.sim.harness import RunSpec
 from evinfra.sim.sweep import fixed_split
 from evinfra.workloads import Phase
 
-__all__ = ["best_prefill", "best_static", "closed", "label", "system", "sweep"]
+__all__ = ["best_prefill", "best_static", "closed", "label", "latency_rule", "rate_factor",
+           "system", "sweep"]
 
 
 def system(config: Config, policy: str, *, prefill: int | None = None, fixed: bool = False,
@@ -25,6 +26,18 @@ def system(config: Config, policy: str, *, prefill: int | None = None, fixed: bo
         cfg = msgspec.structs.replace(cfg, cluster=msgspec.structs.replace(
             cfg.cluster, initial_prefill=prefill))
     return fixed_split(cfg, cfg.cluster.initial_prefill) if fixed else cfg
+
+
+def latency_rule(config: Config) -> Config:
+    """``config`` with the planner's latency objective (beyond the paper, issue 43)."""
+    return msgspec.structs.replace(config, planner=msgspec.structs.replace(
+        config.planner, objective="latency"))
+
+
+def rate_factor(scale: Scale) -> float:
+    """Open-loop arrival rates at ``scale``: a quick scale keeps the number of arrivals in
+    proportion to its agent factor over its shorter run (tableD2, latency)."""
+    return scale.agents * (FULL.warmup + FULL.duration) / (scale.warmup + scale.duration)
 
 
 def label(config: Config, prefill: int) -> str:

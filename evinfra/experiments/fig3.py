@@ -3,17 +3,18 @@ on CC with 90 agents.
 
 (a) switch time and lost KV reuse of the planners (evinfra, Dynamo, Arrow; all from 6P3D);
 (b) their final split and throughput, beside SGLang PD at the best static split; (c) routers
-at that split, fixed: the SGLang Model Gateway's cache-aware routing, Dynamo's KV router,
-Dynamo's KV router with a host pool loaded at prefill start, and evinfra (Eq. 7 with the
-pool fetched while queued). The gateway's sticky-session policy of Fig. 3c is not
-reimplemented. The best static split is this simulator's: SGLang PD swept over the splits
+at that split, fixed: the SGLang Model Gateway's cache-aware routing and its sticky sessions
+(its ``manual`` policy keyed by agent, ``baselines/sticky.py``), Dynamo's KV router, Dynamo's
+KV router with a host pool loaded at prefill start (the transfer plus upstream SGLang's
+0.3-s load-back, D.6), and evinfra (Eq. 7 with the pool fetched while queued). The best
+static split is this simulator's: SGLang PD swept over the splits
 (the scale's sweep) on the same workload, the highest throughput winning (the paper's is
 4P5D, Fig. 3b); the routers run once the sweep has chosen it (``followups``).
 
 Paper: (a) Dynamo 681 s per switch and 5.1 % lost reuse, Arrow 55.5 % over 34 switches,
 evinfra 0.7 s and 0.3 %; (b) Dynamo and Arrow 49 % and 65 % below the best static split's
-4.9 req/s, Arrow ending at 8P1D, Dynamo at 2P7D; (c) P95 TTFT 27 s (cache-aware), 65 s
-(Dynamo KV router), 95 s (+ memory pool).
+4.9 req/s, Arrow ending at 8P1D, Dynamo at 2P7D; (c) P95 TTFT 27 s (cache-aware), 34 s
+(sticky), 65 s (Dynamo KV router), 95 s (+ memory pool).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ __all__ = ["TITLE", "followups", "plans", "report"]
 TITLE = "Figure 3: phase switches, compute demand and KV reuse on CC with 90 agents"
 AGENTS = 90
 PLANNERS = ("evinfra", "dynamo", "arrow")
-ROUTERS = (("cache-aware", "static-sglang"), ("dynamo KV router", "dynamo-kv"),
+ROUTERS = (("cache-aware", "static-sglang"), ("sticky", "sticky-sglang"),
+           ("dynamo KV router", "dynamo-kv"),
            ("+ memory pool", "dynamo-pool"), ("evinfra", "evinfra-fixed"))
 """At the best static split; the cache-aware run there is the sweep's best run itself."""
 SWEEP = "cc"
@@ -98,8 +100,8 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
               columns=["router", "P95 TTFT (s)", "mean E2E (s)", "lost KV reuse (%)",
                        "uncached tokens per request", "evinfra E2E × lower",
                        "evinfra P95 TTFT × lower"], rows=c,
-              note="Paper P95 TTFT: cache-aware 27 s, Dynamo KV router 65 s, + memory pool "
-                   "95 s."),
+              note="Paper P95 TTFT: cache-aware 27 s, sticky 34 s, Dynamo KV router 65 s, "
+                   "+ memory pool 95 s."),
         Table(title="All runs", columns=["run"] + METRICS,
               rows=[[o.key] + metrics_row(o.summary, o) for o in planners + routers]),
         Table(title="Static sweep (SGLang PD at each split)", columns=["run"] + METRICS,

@@ -6,6 +6,10 @@ hour each (the warm-up serves the first composition). Evinfra and Dynamo start f
 the best static split is the fixed split with the highest throughput over the whole run.
 Paper: 2.14x Dynamo's throughput and 1.28x the best static split's; mean E2E 2.15x and 1.33x
 lower, P95 TTFT 3.58x and 1.88x lower; the highest throughput in every period.
+
+With ``latency_rule`` (``--latency-rule``; beyond the paper, issue 43) evinfra also plays with
+``planner.objective = "latency"``, against the paper's rule in the issue's budget, over the
+whole run and per period (:func:`~evinfra.experiments.latency.budget`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from evinfra.config import Config
-from evinfra.experiments.common import best_static, system, sweep
+from evinfra.experiments.common import best_static, latency_rule, system, sweep
+from evinfra.experiments.latency import BUDGET, BUDGET_COLUMNS, budget
 from evinfra.experiments.report import (METRICS, RATIOS, ExperimentReport, Table, metrics_row,
                                         ratio_row, steps)
 from evinfra.experiments.runs import RunOutcome, RunPlan
@@ -41,9 +46,13 @@ def shift_plan(key: str, name: str, config: Config, scale: Scale, seed: int) -> 
                    workloads=["osworld", "putnam"], seed=seed, spec=spec, periods=periods)
 
 
-def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
+def plans(config: Config, scale: Scale, seed: int, latency_rule: bool = False
+          ) -> list[RunPlan]:
     out = [shift_plan("shift-evinfra", "evinfra", system(config, "evinfra"), scale, seed),
            shift_plan("shift-dynamo", "dynamo", system(config, "dynamo"), scale, seed)]
+    if latency_rule:
+        out.append(shift_plan("shift-evinfra-latency", "evinfra latency rule",
+                              _with_latency_rule(config), scale, seed))
     return out + sweep("shift", config, scale,
                        lambda key, name, cfg: shift_plan(key, name, cfg, scale, seed))
 
@@ -80,6 +89,17 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
               columns=["period", "evinfra", "dynamo", best.system if best else "best static",
                        "× dynamo", "× best static"], rows=period_rows),
     ]
+    lat = runs.get("shift-evinfra-latency")
+    if ev is not None and lat is not None:
+        rows.insert(1, [lat.system] + metrics_row(lat.summary, lat))
+        tables.append(Table(
+            title="The latency rule against the paper's rule (issue 43)",
+            columns=["period"] + BUDGET_COLUMNS,
+            rows=[["whole run"] + budget(ev, lat, 3 * scale.duration / 3600)] + [
+                [p] + _period(ev, lat, p) for p, _ in PERIODS],
+            note="Budget: at most 3 % throughput lost and at most one extra switch per hour. "
+                 "Per period only the throughput and latencies are split (switches are "
+                 "counted over the whole run)."))
     notes = ["Evinfra and Dynamo start from 6P3D."]
     if best is not None:
         notes.insert(0, f"Best static split: {best.system}, chosen by whole-run throughput "
@@ -114,3 +134,15 @@ def _latency(path: Path, *runs: RunOutcome) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
+
+
+def _with_latency_rule(config: Config) -> Config:
+    return latency_rule(system(config, "evinfra"))
+
+
+def _period(paper: RunOutcome, latency: RunOutcome, name: str) -> list:
+    a, b = paper.periods[name], latency.periods[name]
+    lost = 1 - b.throughput / a.throughput if a.throughput else 0.0
+    return [a.throughput, b.throughput, float(f"{100 * lost:.3g}"), None, None, a.e2e.mean,
+            b.e2e.mean, a.ttft.p95, b.ttft.p95,
+            "yes" if lost <= BUDGET["throughput_lost"] else "no"]

@@ -22,6 +22,8 @@ import numpy as np
 from evinfra.baselines.thunderagent import ProgramScheduler
 from evinfra.config import Config
 from evinfra.core.events import IterationReport
+from evinfra.drivers.fake.idle import prefill_idle
+from evinfra.experiments.fetches import FetchBin, FetchRecorder
 from evinfra.planner.itermodel import NodeFitter
 from evinfra.control import Service
 from evinfra.sim.control import ControlSummary
@@ -48,8 +50,29 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def digest(self) -> str:
-        """Names everything the run depends on: an outcome with this digest is this run's."""
-        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+        """Names everything the run depends on: an outcome with this digest is this run's.
+        Fields at their defaults are left out, so a config that gains a field whose default
+        keeps the old behaviour keeps the digests of the outcomes saved before it."""
+        return hashlib.sha256(msgspec.msgpack.encode(_set(self))).hexdigest()[:16]
+
+
+def _set(value: object) -> object:
+    """``value`` as builtins, every struct without the fields left at their defaults."""
+    if isinstance(value, msgspec.Struct):
+        out = {}
+        for f in msgspec.structs.fields(value):
+            v = getattr(value, f.name)
+            if f.default is not msgspec.NODEFAULT and v == f.default:
+                continue
+            if f.default_factory is not msgspec.NODEFAULT and v == f.default_factory():
+                continue
+            out[f.encode_name] = _set(v)
+        return out
+    if isinstance(value, dict):
+        return {k: _set(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_set(v) for v in value]
+    return msgspec.to_builtins(value)
 
 
 class RunOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,9 +88,12 @@ class RunOutcome(msgspec.Struct, frozen=True, kw_only=True):
     periods: dict[str, Summary] = {}
     runner: RunnerStats = msgspec.field(default_factory=RunnerStats)
     extras: dict[str, float] = {}
-    """Numbers a policy adds (ThunderAgent's pauses and its capacity estimate)."""
+    """Numbers a policy adds (ThunderAgent's pauses and its capacity estimate), and the fake
+    engines' ``prefill_*`` idle time (:class:`~evinfra.drivers.fake.idle.PrefillIdle`)."""
     convergence: list[tuple[float, float, float]] = []
     """``(learning time, mean prefill error, mean decode error)`` (fig. 8c)."""
+    fetches: list[FetchBin] = []
+    """Peer fetch times against fetched tokens and queueing, scored window (Fig. D.3)."""
     wall_s: float = 0.0
 
 
@@ -105,9 +131,13 @@ def execute(plan: RunPlan) -> RunOutcome:
     """Play one plan (in this process)."""
     reports: list[IterationReport] = []
     services: list[Service] = []
+    fetches: list[FetchRecorder] = []
 
     def hook(service: Service) -> None:
         services.append(service)
+        fetches.append(FetchRecorder(service.bus))
+        if service.fake_cluster is not None:
+            service.fake_cluster.record_prefill()
         if plan.fits_at:
             service.bus.subscribe(IterationReport, reports.append)
 
@@ -124,6 +154,11 @@ def execute(plan: RunPlan) -> RunOutcome:
     if isinstance(prefill, ProgramScheduler):
         extras = {"pauses": float(prefill.pauses), "peak_use": prefill.peak_use,
                   "mean_use": prefill.mean_use}
+    cluster = services[0].fake_cluster
+    if cluster is not None:  # the prefill nodes' idle GPU time (paper D.6)
+        idle = prefill_idle([e.prefill_log for e in cluster.engines.values()], start, end)
+        extras.update({f"prefill_{k}": float(v)
+                       for k, v in msgspec.structs.asdict(idle).items()})
     nodes = len(plan.config.cluster.nodes)
     p = plan.config.cluster.initial_prefill
     return RunOutcome(
@@ -133,6 +168,7 @@ def execute(plan: RunPlan) -> RunOutcome:
         runner=result.stats, extras=extras,
         convergence=_fits(reports, plan.fits_at, plan.config.planner.t_learn, plan.config)
         if plan.fits_at else [],
+        fetches=fetches[0].bins(start, end),
         wall_s=time.perf_counter() - t0)
 
 

@@ -10,15 +10,21 @@ split, SGLang PD at it, Dynamo from 6P3D; minutes 30 to 90 scored. The best stat
 the paper's 4P5D there (CC, Fig. 3b); here the one this simulator's sweep of SGLang PD on CC
 with 90 agents chooses, evinfra's and SGLang PD's runs following the sweep. Paper: evinfra
 sustains 1.0 agents/min, static 4P5D 0.5, Dynamo none.
+
+Beyond the paper (issue 43): evinfra with the latency rule (``planner.objective =
+"latency"``) from the same split, beside the paper's rule: the rate each sustains and the
+split each holds at every rate.
 """
 
 from __future__ import annotations
 
 from evinfra.config import Config
-from evinfra.experiments.common import best_prefill, best_static, closed, sweep, system
+from evinfra.experiments.common import (best_prefill, best_static, closed, latency_rule,
+                                        rate_factor, sweep, system)
+from evinfra.experiments.latency import BUDGET_COLUMNS, budget
 from evinfra.experiments.report import ExperimentReport, Table, higher, steps
 from evinfra.experiments.runs import RunOutcome, RunPlan
-from evinfra.experiments.scale import FULL, Scale
+from evinfra.experiments.scale import Scale
 from evinfra.sim.harness import RunSpec
 from evinfra.workloads import poisson_arrivals
 
@@ -39,14 +45,9 @@ SWEEP_AGENTS = 90
 
 def systems(config: Config, best: int) -> dict[str, Config]:
     return {"evinfra": system(config, "evinfra", prefill=best),
+            "evinfra-latency": latency_rule(system(config, "evinfra", prefill=best)),
             "static": system(config, "static-sglang", prefill=best, fixed=True),
             "dynamo": system(config, "dynamo", prefill=6)}
-
-
-def rate_factor(scale: Scale) -> float:
-    """Quick scale keeps the number of arrivals in proportion to its agent factor over its
-    shorter run."""
-    return scale.agents * (FULL.warmup + FULL.duration) / (scale.warmup + scale.duration)
 
 
 def _sweep(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
@@ -82,9 +83,11 @@ def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
 
 def followups(config: Config, scale: Scale, seed: int,
               runs: dict[str, RunOutcome]) -> list[RunPlan]:
-    """evinfra and SGLang PD at the sweep's best split (none until the sweep is in)."""
+    """evinfra (both rules) and SGLang PD at the sweep's best split (none until the sweep
+    is in)."""
     best = best_prefill(runs, _sweep(config, scale, seed))
-    return [] if best is None else _open_loop(config, scale, seed, ("evinfra", "static"), best)
+    return [] if best is None else _open_loop(config, scale, seed,
+                                              ("evinfra", "evinfra-latency", "static"), best)
 
 
 def sustained(o: RunOutcome) -> bool:
@@ -97,10 +100,11 @@ def sustained(o: RunOutcome) -> bool:
 
 
 def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: int):
-    names = ["evinfra", "static", "dynamo"]
+    names = ["evinfra", "evinfra-latency", "static", "dynamo"]
     swept = any(k.startswith(f"{SWEEP}-static-") for k in runs)
     at = best_static(runs, SWEEP).initial_split if swept else "best"
-    shown = {"evinfra": f"evinfra from {at}", "static": f"static {at}", "dynamo": "dynamo"}
+    shown = {"evinfra": f"evinfra from {at}", "evinfra-latency": f"evinfra latency rule from {at}",
+             "static": f"static {at}", "dynamo": "dynamo"}
     rows, best = [], {n: None for n in names}
     for rate in RATES:
         row: list = [rate]
@@ -115,6 +119,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
             row += [o.summary.ttft.p50, o.summary.ttft.p95, o.summary.e2e.p50,
                     "yes" if ok else "no"]
         rows.append(row)
+    rules = ("evinfra", "evinfra-latency")
     cols = ["rate (agents/min)"] + [f"{shown[n]} {m}" for n in names
                                     for m in ("TTFT P50", "TTFT P95", "E2E P50", "meets")]
     splits = [[o.key, o.control.final_split, o.control.switches, o.runner.arrived,
@@ -127,8 +132,24 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
               columns=["system", "ours", "evinfra ×", "paper"],
               rows=[[shown[n], best[n], higher(best["evinfra"], best[n])
                      if best["evinfra"] is not None and best[n] else None, ref]
-                    for n, ref in (("evinfra", 1.0), ("static", 0.5), ("dynamo", None))],
+                    for n, ref in (("evinfra", 1.0), ("evinfra-latency", None),
+                                   ("static", 0.5), ("dynamo", None))],
               note="Paper: evinfra from 4P5D 1.0, static 4P5D 0.5, Dynamo none."),
+        Table(title="Split held at each rate: the paper's rule and the latency rule",
+              columns=["rate (agents/min)"] + [f"{shown[n]} {m}" for n in rules
+                                               for m in ("final split", "switches", "meets")],
+              rows=[[rate] + [x for n in rules for x in _held(runs.get(f"{rate:g}-{n}"))]
+                    for rate in RATES],
+              note="Switches in the scored window; the split timeline of each run is in the "
+                   "plots and results.json."),
+        Table(title="The latency rule against the paper's rule (issue 43)",
+              columns=["rate (agents/min)"] + BUDGET_COLUMNS,
+              rows=[[rate] + budget(runs[f"{rate:g}-evinfra"],
+                                    runs[f"{rate:g}-evinfra-latency"], scale.duration / 3600)
+                    for rate in RATES if f"{rate:g}-evinfra" in runs
+                    and f"{rate:g}-evinfra-latency" in runs],
+              note="Budget: at most 3 % throughput lost and at most one extra switch per "
+                   "hour."),
         Table(title="Runs", columns=["run", "final split", "switches", "agents arrived",
                                      "admitted"], rows=splits),
     ]
@@ -143,3 +164,9 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
     return ExperimentReport(name="tableD2", title=TITLE, scale=scale.describe(),
                             config=config_path, seed=seed, tables=tables, notes=notes,
                             runs=runs), plots
+
+
+def _held(o: RunOutcome | None) -> list:
+    if o is None:
+        return [None, None, "–"]
+    return [o.control.final_split, o.control.switches, "yes" if sustained(o) else "no"]

@@ -41,6 +41,10 @@ _TOLERANCE = 1e-9
 class Latency(NamedTuple):
     """Predicted means per slice (rows) and candidate (column ``p − 1``), seconds."""
 
+    wait: np.ndarray
+    """``W_q``: the wait for a prefill node, before the prefill starts."""
+    service: np.ndarray
+    """``S``: the prefill itself (finite where the wait is not: ``ρ = λ·S/c``)."""
     ttft: np.ndarray
     tpot: np.ndarray
     e2e: np.ndarray
@@ -61,7 +65,8 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
     service = c / total
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         wait = service * rho ** (np.sqrt(2 * (c + 1)) - 1) / (c * (1 - rho))
-    ttft = np.where(rho < 1, wait + service, np.inf)
+    wait = np.where(rho < 1, wait, np.inf)
+    ttft = wait + service
 
     size = n - c  # |D|
     d0, d1, d2 = (np.cumsum(x[::-1])[::-1][1:] / size for x in d)  # decode nodes' means
@@ -78,4 +83,4 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
     settled = np.abs(a * t_iter - B) <= 1e-6 * np.maximum(B, 1.0)
     decode = np.where(settled, n_iter[:, None] * t_iter, np.inf)
     tpot = np.where(settled, t_iter / t_acc[:, None], np.inf)
-    return Latency(ttft=ttft, tpot=tpot, e2e=ttft + decode)
+    return Latency(wait=wait, service=service, ttft=ttft, tpot=tpot, e2e=ttft + decode)

@@ -28,10 +28,11 @@ from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
 from evinfra.errors import ConfigError
 from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi, pool
-from evinfra.planner.latency import predict_e2e
+from evinfra.planner.latency import Latency, predict_e2e
 from evinfra.planner.window import SliceWork, Window
 
-__all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "SplitPlanner", "plan"]
+__all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "SplitPlanner", "plan",
+           "predict"]
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +70,13 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     """A latency switch also needs a mean gain of at least this share of the current split's
     predicted mean E2E: the model's own error, not only the slices' noise, must be beaten, so
     two splits predicted alike do not trade places."""
+    ttft_target_s: PosFloat | None = None
+    """Optional SLA targets of the latency rule (as SLA planners take them): a candidate
+    *meets* them when its predicted mean TTFT (and TPOT, ``tpot_target_s``) stays within them
+    in every slice. Among the candidates the latency rule qualifies, those that meet the
+    targets are preferred, and while the current split meets them one that does not is set
+    aside: the targets choose between qualified switches, they never cause one."""
+    tpot_target_s: PosFloat | None = None
 
     def __post_init__(self) -> None:
         if self.experts_per_token > self.routed_experts:
@@ -249,16 +257,50 @@ def _order(nodes: _Arrays, names: Sequence[NodeId], split: Split,
     return np.concatenate([p_order, d_order])
 
 
+def _work(slices: Sequence[SliceWork]) -> dict[str, np.ndarray]:
+    """The usable slices' work as columns: what Eq. 3-5 and the latency estimate take."""
+    w = {k: np.array([getattr(s, k) for s in slices])
+         for k in ("requests", "t_uc", "A", "t_c", "q", "length", "t_acc")}
+    w["n_iter"] = np.array([s.t_out / s.t_acc for s in slices])
+    return w
+
+
+def _latency(ranked: _Arrays, w: dict[str, np.ndarray], load: float = 1.0) -> Latency:
+    """:func:`~evinfra.planner.latency.predict_e2e` of every candidate, ``ranked`` in the
+    order π, at ``load`` times each slice's measured arrival rate."""
+    mu_p = 1.0 / ranked.t_p_req(w["t_uc"], w["A"], w["t_c"])
+    d = np.stack([ranked.d0, ranked.d1, ranked.d2])
+    return predict_e2e(mu_p, d, w["requests"] / w["length"] * load, w["n_iter"], w["t_acc"],
+                       ranked.k_over_e, ranked.t_fwd)
+
+
+def predict(models: Sequence[NodeModel], split: Split,
+            slices: Sequence[SliceWork]) -> tuple[list[NodeId], Latency]:
+    """What the latency rule predicts for every candidate on a window's usable ``slices``
+    (rows), with ``models`` as :func:`plan` takes them: π, and the estimate (column ``p − 1``
+    prefills on ``π[:p]``; column ``|P| − 1`` is ``split`` itself). For judging the estimate
+    against measured runs (``evinfra.experiments.latency``)."""
+    used = [s for s in slices if s.usable]
+    if not used:
+        raise ValueError("no usable slice: no finished request and decode iteration")
+    names = [x.node for x in models]
+    w = _work(used)
+    nodes = _Arrays.of(models)
+    order = _order(nodes, names, split, w)
+    return [names[i] for i in order], _latency(nodes.take(order), w)
+
+
 def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork], *,
          at: float, objective: Literal["throughput", "latency"] = "throughput",
-         latency_min_gain: float = 0.05) -> Decision:
+         latency_min_gain: float = 0.05, ttft_target: float | None = None,
+         tpot_target: float | None = None) -> Decision:
     """Algorithm E.3 lines 17-28 for one window: evaluate every prefill count, pick or keep.
 
     ``models`` are usable models of every node of ``split`` (their t̄_n, f_n remeasured);
     ``slices`` are the window's. Slices without finished requests have no w̄ and are left
     out; m in ``2σ/√m`` counts the slices used. σ is the sample standard deviation. With
     ``objective = "latency"`` a window the throughput rule leaves alone is judged on
-    predicted mean E2E (:class:`PlannerConfig`).
+    predicted mean E2E, and on the optional TTFT/TPOT targets (:class:`PlannerConfig`).
     """
     used = [s for s in slices if s.usable]
     if len(used) < 2:
@@ -271,9 +313,7 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
     if len(names) == 2:
         return Decision(at=at, split=split, slices=list(slices),
                         reason="keep 1P1D: the only split with a node in each phase")
-    w = {k: np.array([getattr(s, k) for s in used])
-         for k in ("requests", "t_uc", "A", "t_c", "q", "length", "t_acc")}
-    w["n_iter"] = np.array([s.t_out / s.t_acc for s in used])
+    w = _work(used)
     nodes = _Arrays.of(models)
     order = _order(nodes, names, split, w)
     theta = _theta(nodes.take(order), w)
@@ -289,18 +329,16 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
     set_aside = ""
     if objective == "latency":
         ranked = nodes.take(order)
-        mu_p = 1.0 / ranked.t_p_req(w["t_uc"], w["A"], w["t_c"])
-        d = np.stack([ranked.d0, ranked.d1, ranked.d2])
-        rate = w["requests"] / w["length"]
 
-        def e2e_at(load: float) -> np.ndarray:
-            return predict_e2e(mu_p, d, rate * load, w["n_iter"], w["t_acc"],
-                               nodes.k_over_e, nodes.t_fwd).e2e
-
-        e2e = e2e_at(1.0)
+        lat = _latency(ranked, w)
+        e2e = lat.e2e
+        meets = None
+        if ttft_target is not None or tpot_target is not None:
+            meets = ((lat.ttft <= (np.inf if ttft_target is None else ttft_target))
+                     & (lat.tpot <= (np.inf if tpot_target is None else tpot_target))).all(axis=0)
         # Below capacity Θ of Eq. 5 is no capacity (its decode side is the rate served at
         # the measured q): what counts is keeping up with the margin more load.
-        headroom = np.isfinite(e2e_at(1.0 + latency_min_gain)).all(axis=0)
+        headroom = np.isfinite(_latency(ranked, w, 1.0 + latency_min_gain).e2e).all(axis=0)
         if headroom[current - 1]:
             # The current split keeps up: a Θ "gain" that costs predicted latency is that
             # artefact, and taking it would undo the latency rule's last switch.
@@ -337,7 +375,8 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
         reason = f"keep {split.label}: {why}"
         if e2e is not None and headroom is not None:
             candidates, chosen, latency_why = _by_latency(
-                candidates, e2e, current, headroom, latency_min_gain, names, ordered, split)
+                candidates, e2e, current, headroom, latency_min_gain, names, ordered, split,
+                meets)
             e2e_now = e2e[:, current - 1].tolist()
             if chosen is None:
                 reason += f"; {latency_why}"
@@ -352,12 +391,13 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
 
 def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int,
                 headroom: np.ndarray, min_gain: float, names: list[NodeId],
-                ordered: list[NodeId], split: Split
+                ordered: list[NodeId], split: Split, meets: np.ndarray | None = None
                 ) -> tuple[list[Candidate], Split | None, str]:
     """The latency rule of :class:`PlannerConfig` on predicted mean E2E ``e2e`` (slices ×
     candidates): the candidates with their latency figures, the choice, and why.
     ``headroom[p − 1]``: the candidate keeps up with every slice's rate plus the margin, so a
-    switch for latency never trades away the throughput served."""
+    switch for latency never trades away the throughput served. ``meets[p − 1]``: the
+    candidate meets the TTFT/TPOT targets (None: no targets)."""
     m = e2e.shape[0]
     now = e2e[:, current - 1]
     if not np.isfinite(now).all():
@@ -371,6 +411,14 @@ def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int,
     floor = min_gain * float(now.mean())
     ok = finite & (g_mean > g_threshold) & (g_mean > floor) & headroom
     ok[current - 1] = False
+    targets = ""
+    if meets is not None and (meets[current - 1] or (ok & meets).any()):
+        missed = ok & ~meets
+        ok &= meets
+        if missed.any():
+            targets = ("; set aside, predicted to miss the TTFT/TPOT targets"
+                       + (f" {split.label} meets" if meets[current - 1] else "") + ": "
+                       + ", ".join(f"{j + 1}P" for j in np.flatnonzero(missed)))
     out = [msgspec.structs.replace(c, e2e=e2e[:, c.prefill - 1].tolist(),
                                    e2e_gain=float(g_mean[c.prefill - 1]),
                                    e2e_threshold=float(g_threshold[c.prefill - 1]),
@@ -380,12 +428,12 @@ def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int,
                f"{best + 1}P, gain {g_mean[best]:.4g} s vs 2σ/√m = {g_threshold[best]:.4g} s "
                f"and {100 * min_gain:g} % = {floor:.4g} s")
     if not ok.any():
-        return out, None, f"no latency gain qualifies ({figures})"
+        return out, None, f"no latency gain qualifies ({figures}){targets}"
     best = int(np.argmax(np.where(ok, g_mean, -np.inf)))
     figures = (f"predicted mean E2E {now.mean():.4g} s -> {e2e[:, best].mean():.4g} s, gain "
                f"{g_mean[best]:.4g} s > 2σ/√m = {g_threshold[best]:.4g} s and > "
-               f"{100 * min_gain:g} % = {floor:.4g} s, keeping up with {100 * min_gain:g} % more load "
-               "in every slice")
+               f"{100 * min_gain:g} % = {floor:.4g} s, keeping up with {100 * min_gain:g} % "
+               f"more load in every slice{targets}")
     return out, Split.of(names, ordered[:best + 1]), figures
 
 
@@ -577,8 +625,7 @@ class Planner:
             why = (f"hold-off after the switch at {self._last_switch:g} s until {hold:g} s"
                    if now < hold else f"window ends at {self._window.end:g} s")
             return Decision(at=now, split=self.split, reason=f"keep {self.split.label}: {why}")
-        slices = self._window.close()
-        self._remeasure(self._window)
+        slices = self._close()
         blocked = self._blocked()
         if blocked:
             decision = Decision(at=now, split=self.split, slices=slices,
@@ -601,6 +648,23 @@ class Planner:
         else:
             self._window = Window(now, self.config.t_win, self.config.m, self._q)
         return decision
+
+    def review(self, now: float) -> list[SliceWork]:
+        """What :meth:`decide` would see at the end of the window, without deciding: its
+        slices, and :attr:`models` remeasured on it; the next window starts at ``now``. For
+        a fixed split (``adapt = False``), whose windows are otherwise never closed: the
+        latency estimate judged against the measured run (``evinfra.experiments.latency``)."""
+        if self._window is None or now < self._window.end:
+            raise RuntimeError(f"no window has ended at {now:g} s")
+        slices = self._close()
+        self._window = Window(now, self.config.t_win, self.config.m, self._q)
+        return slices
+
+    def _close(self) -> list[SliceWork]:
+        assert self._window is not None
+        slices = self._window.close()
+        self._remeasure(self._window)
+        return slices
 
     def switch_to(self, split: Split, now: float) -> None:
         """``split`` is applied from ``now`` (chosen here, or forced by an operator): its moved
@@ -634,7 +698,9 @@ class Planner:
         gives the cluster no capacity, so the candidates split the others, and it keeps its
         phase for when it is back."""
         rule = {"objective": self.config.objective,
-                "latency_min_gain": self.config.latency_min_gain}
+                "latency_min_gain": self.config.latency_min_gain,
+                "ttft_target": self.config.ttft_target_s,
+                "tpot_target": self.config.tpot_target_s}
         if not self._out:
             return plan([self.models[n] for n in self.nodes], self.split, slices, at=now,
                         **rule)

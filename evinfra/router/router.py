@@ -235,14 +235,14 @@ class _View:
     """A :class:`~evinfra.router.strategy.RouteView` of one request; predictions are
     computed once per node and kept, so a strategy may ask freely."""
 
-    __slots__ = ("_router", "_r", "_nodes", "request", "branch", "path", "t_in", "need",
-                 "final", "nodes", "match", "now", "_pred", "_est", "_full")
+    __slots__ = ("_router", "_r", "_nodes", "request", "branch", "parent", "path", "t_in",
+                 "need", "final", "nodes", "match", "now", "_pred", "_est", "_full")
 
     def __init__(self, router: "Router", r: Routing, nodes: list[_Node], match: PrefixMatch,
                  now: float) -> None:
         self._router = router
         self._r = r
-        self.request, self.branch, self.path = r.id, r.branch, r.path
+        self.request, self.branch, self.parent, self.path = r.id, r.branch, r.parent, r.path
         self.t_in, self.need, self.final = r.t_in, r.need, r.final
         self._nodes = nodes
         self.nodes = [n.name for n in nodes]

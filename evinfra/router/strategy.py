@@ -46,6 +46,9 @@ class RouteView(Protocol):
 
     request: RequestId
     branch: BranchId
+    parent: BranchId | None
+    """The branch it was forked or spawned from (its harness's hint; None for an agent's
+    root branch, or without hints)."""
     path: HashedPath
     t_in: int
     need: int

@@ -60,10 +60,10 @@ class Sim:
         asyncio.run(self.service.start())
 
     def submit(self, rid: str, toks: np.ndarray, branch: str | None = None,
-               max_tokens: int = 16, final: bool = False) -> Sink:
+               max_tokens: int = 16, final: bool = False, parent: str | None = None) -> Sink:
         sink = Sink()
         self.service.submit(Submission(toks, Sampling(max_tokens, ignore_eos=True), branch,
-                                       None, final, rid), sink)
+                                       parent, final, rid), sink)
         return sink
 
     def run(self, until: float) -> None:

@@ -44,7 +44,11 @@ def swept(plans, template, best: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a", "fig2b", "calibration"}))
+# tableD5 runs the baselines' policy twice, evinfra's data plane in one (test_table_d5.py);
+# fig5 plays no simulation (test_fig5.py).
+# latency runs evinfra's own stack at fixed splits, no baseline (test_latency.py).
+@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"fig2a", "fig2b", "calibration",
+                                                             "tableD5", "latency", "fig5"}))
 def test_every_experiment_plans_its_paper_systems(name, template) -> None:
     config = load_config("etc/cluster.toml")
     plans = EXPERIMENTS[name].plans(config, QUICK, 1)
@@ -84,6 +88,11 @@ def test_fig6_micro_writes_tables_with_ratios_and_a_plot(tmp_path) -> None:
     assert len(ratios["rows"]) == 9 and all(len(r) == 6 for r in ratios["rows"])
     md = (tmp_path / "results.md").read_text()
     assert "throughput ×" in md and "micro scale" in md and "1.10–2.73×" in md
+    queueing = next(t for t in data["tables"] if "Table C.2" in t["title"])
+    for row, n in zip(queueing["rows"], (90, 108, 126), strict=True):
+        ev, dy = runs[f"cc-{n}-evinfra"].control, runs[f"cc-{n}-dynamo"].control
+        assert row[1:5] == [ev.mean_prefill_queueing, dy.mean_prefill_queueing,
+                            ev.queueing_imbalance, dy.queueing_imbalance]
 
 
 def test_outcomes_do_not_depend_on_parallelism(tmp_path) -> None:
@@ -172,7 +181,8 @@ def test_fig2a_sweeps_every_split_and_judges_the_best_against_the_paper(tmp_path
 
 def test_fig8_micro_breaks_lost_reuse_down_by_the_wait(tmp_path) -> None:
     config = load_config("etc/cluster.toml")
-    micro = msgspec.structs.replace(MICRO, sweep=(4,))
+    # Eight agents rather than MICRO's three: enough for peers to fetch (table (e)).
+    micro = msgspec.structs.replace(MICRO, sweep=(4,), agents=1 / 16)
     runs = run_plans([p for p in EXPERIMENTS["fig8"].plans(config, micro, 1)
                       if p.key == "cc-static-4P"], jobs=1)
     runs.update(run_plans([p for p in EXPERIMENTS["fig8"].followups(config, micro, 1, runs)
@@ -188,6 +198,10 @@ def test_fig8_micro_breaks_lost_reuse_down_by_the_wait(tmp_path) -> None:
         assert row[1:3] == [pytest.approx(100 * by[w].lost_kv_reuse) if w in by else None
                             for w in ("first", "<10s")]
     assert "(d) Lost KV reuse (%) by the wait" in (tmp_path / "results.md").read_text()
+    fetches = next(t for t in data["tables"] if t["title"].startswith("(e) Peer fetches"))
+    bins = runs["ablation-0"].fetches
+    assert bins and [r[1] for r in fetches["rows"]] == [b.count for b in bins]
+    assert all(r[4] == pytest.approx(1e3 * b.fetch_p50) for r, b in zip(fetches["rows"], bins))
 
 
 def test_calibration_plays_only_baselines_and_scores_each_figure_against_the_paper(template):
@@ -211,6 +225,21 @@ def test_calibration_plays_only_baselines_and_scores_each_figure_against_the_pap
     assert hit[2] == 92.25 and hit[4] == pytest.approx(10.0) and hit[5] == "yes"
     assert rows["Dynamo KV hit rate (%), cc 108"][5] == "–"  # not played
     assert relative_error(92.25 * 1.3, 92.25) == pytest.approx(0.3)
+    # D.6: the upstream run's prefill idle share, which tableD5's upstream run also plays.
+    d6 = next(p for p in plans if p.key == "d6-upstream-sglang")
+    assert d6.config.policy.peer_fetch == "prefill-start"
+    up = next(p for p in EXPERIMENTS["tableD5"].plans(config, QUICK, 1)
+              if p.key == "upstream-sglang")
+    label = lambda spec: msgspec.structs.replace(spec, label="")  # noqa: E731
+    assert (d6.config, label(d6.spec)) == (up.config, label(up.spec))
+    idle = "prefill idle GPU time under upstream SGLang (%), 4P5D, CC 126"
+    assert rows[idle][3] is None
+    runs["d6-upstream-sglang"] = msgspec.structs.replace(
+        template, key="d6-upstream-sglang", extras={"prefill_idle_share": 0.118})
+    report, _ = EXPERIMENTS["calibration"].report(runs, QUICK, "etc/cluster.toml", 1)
+    row = {r[1]: r for r in report.tables[0].rows}[idle]
+    assert row[3] == pytest.approx(11.8) and row[4] == pytest.approx(50.0) and row[5] == "no"
+    assert "P95 TTFT (s), sticky sessions at 4P5D, CC 90" in rows
     runs = swept([p for p in plans if p.key.startswith("cc-90-")], template, 6)
     report, _ = EXPERIMENTS["calibration"].report(runs, QUICK, "etc/cluster.toml", 1)
     rows = {r[1]: r for r in report.tables[0].rows}
@@ -269,3 +298,23 @@ def test_table_d1_sweeps_both_engines_and_names_each_best_split(template):
     rows = {(r[0], r[2]): r for r in report.tables[0].rows}
     assert rows[("cc", "sglang")][3] == "4P5D" and rows[("cc", "sglang")][7] == "yes"
     assert rows[("cc", "symmetric")][3] == "6P3D" and rows[("cc", "symmetric")][7] == "no"
+
+
+def test_a_field_added_at_its_default_keeps_the_saved_digests() -> None:
+    """A config that gains a field whose default keeps the old behaviour must not replay
+    every saved run; setting that field (the control) must."""
+    from evinfra.experiments.runs import _set
+
+    old = msgspec.defstruct("Part", [("x", int, 1)])
+    new = msgspec.defstruct("Part", [("x", int, 1), ("y", float, 0.5)])
+    assert _set(old(x=2)) == _set(new(x=2)) == {"x": 2}
+    assert _set(new(x=2, y=0.7)) != _set(old(x=2))
+    config = load_config("etc/cluster.toml")
+    plan = EXPERIMENTS["fig6"].plans(config, QUICK, 1)[0]
+    same = msgspec.structs.replace(plan, config=msgspec.structs.replace(
+        plan.config, planner=msgspec.structs.replace(plan.config.planner,
+                                                     ttft_target_s=None)))
+    moved = msgspec.structs.replace(plan, config=msgspec.structs.replace(
+        plan.config, planner=msgspec.structs.replace(plan.config.planner,
+                                                     ttft_target_s=5.0)))
+    assert same.digest == plan.digest != moved.digest

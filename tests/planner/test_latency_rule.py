@@ -115,3 +115,28 @@ def test_a_throughput_gain_that_costs_latency_is_set_aside_while_the_split_keeps
     assert d.chosen is None and "set aside, predicted slower while 2P7D keeps up: 1P" in d.reason
     one = next(c for c in d.candidates if c.prefill == 1)
     assert not one.qualified and np.mean(one.e2e) > 1.05 * np.mean(d.e2e)
+
+
+def test_ttft_and_tpot_targets_choose_between_qualified_switches_never_cause_one():
+    """3P6D -> 2P7D wins on predicted E2E (3P's worst-slice TTFT 0.31 s, 2P's 0.51 s; TPOT
+    8.4 ms and 7.6 ms). A TTFT target 3P6D meets and 2P7D misses keeps 3P6D; a TPOT target
+    only 2P7D meets still takes it; targets nobody meets change nothing."""
+    slices = window(np.random.default_rng(0), (290, 310))
+    split = Split.of(NAMES, NAMES[:3])
+
+    def decide(**targets):
+        return plan(homogeneous(9), split, slices, at=600.0, objective="latency", **targets)
+
+    kept = decide(ttft_target=0.4)
+    assert kept.chosen is None and kept.rule == "none"
+    assert "set aside, predicted to miss the TTFT/TPOT targets 3P6D meets: 2P" in kept.reason
+    assert decide(ttft_target=0.6).chosen.label == "2P7D"  # control: 2P meets it too
+    assert decide(tpot_target=0.008).chosen.label == "2P7D"
+    unmet = decide(ttft_target=0.1)
+    assert unmet.chosen.label == "2P7D" and "targets" not in unmet.reason
+    # The paper's rule ignores them; the config takes them as positive seconds.
+    assert plan(homogeneous(9), split, slices, at=600.0, ttft_target=0.4).chosen is None
+    cfg = msgspec.convert({"objective": "latency", "ttft_target_s": 0.4}, PlannerConfig)
+    assert cfg.ttft_target_s == 0.4 and cfg.tpot_target_s is None
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"tpot_target_s": 0}, PlannerConfig)

@@ -20,6 +20,9 @@ Public API::
         .kv.drop_next(n=1)   .kv.duplicate_next(n=1)   .kv.reorder_next(n=1)
         .cache: NodeCache (.check_invariants(), .l1_used, .l2_used, .kv_room)
         .phase  .down  .stalled
+        .prefill_log: list[PrefillIteration] | None prefill iterations in the prefill phase,
+                                                    after FakeCluster.record_prefill()
+    prefill_idle(logs, start, end) -> PrefillIdle   D.6's idle GPU time of prefill nodes
 
 Everything an engine says goes on the bus: ``NodeKVEvents``, ``IterationReport``,
 ``NodeState``, ``PrefillStarted``, ``PrefillDone``, ``TokensOut``, ``RequestFailed``,
@@ -31,5 +34,8 @@ from evinfra.drivers.fake.cluster import FakeCluster
 from evinfra.drivers.fake.config import FakeEngineConfig
 from evinfra.drivers.fake.driver import FakeDriver
 from evinfra.drivers.fake.engine import FakeEngine
+from evinfra.drivers.fake.idle import PrefillIdle, prefill_idle
+from evinfra.drivers.fake.records import PrefillIteration
 
-__all__ = ["FakeCluster", "FakeDriver", "FakeEngine", "FakeEngineConfig"]
+__all__ = ["FakeCluster", "FakeDriver", "FakeEngine", "FakeEngineConfig", "PrefillIdle",
+           "PrefillIteration", "prefill_idle"]

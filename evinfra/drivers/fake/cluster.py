@@ -43,6 +43,12 @@ class FakeCluster:
     def drivers(self) -> dict[NodeId, FakeDriver]:
         return {node: FakeDriver(engine) for node, engine in self.engines.items()}
 
+    def record_prefill(self) -> None:
+        """Every engine logs its prefill iterations from now on (``FakeEngine.prefill_log``,
+        for :func:`~evinfra.drivers.fake.idle.prefill_idle`): runs of bounded length only."""
+        for engine in self.engines.values():
+            engine.prefill_log = []
+
     def start(self) -> None:
         """Start every engine's heartbeat (what ``FakeDriver.start`` does, synchronously)."""
         for engine in self.engines.values():

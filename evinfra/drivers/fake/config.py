@@ -76,6 +76,15 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pd_s_per_token: NonNegFloat = 54.6e3 / 208e9
     """Prefill-to-decode GPU-to-GPU transfer. 4.2 calls it faster than the host pool but
     gives no rate: we assume the four GPUs' NICs each carry the 52 GB/s of D.6."""
+    load_back_s: NonNegFloat = 0.3
+    """With ``peer_fetch = "prefill_start"`` only: seconds a prefill iteration that consumes
+    KV from host memory (fetched from peers, or the node's own host copies) waits, beyond
+    the transfer, before its forward starts. Upstream SGLang loads it into GPU memory and
+    broadcasts it to the node's GPUs with NCCL, sharing them with the prefill (paper D.6:
+    "about 0.3 s for each iteration that consumes fetched KV", up to 8 % of the prefill GPU
+    time). A measurement of the baseline, not of evinfra, whose fetch (``queued``) pays no
+    such wait. The private-host baselines (``none``) do not pay it either: an open
+    calibration question (their engines are upstream SGLang too)."""
     switch_latency: NonNegFloat = 0.7
     """Phase switch once the running requests finish (paper 3, Fig. 3a: 0.7 s)."""
     peer_fetch: Literal["queued", "prefill_start", "none"] = "queued"

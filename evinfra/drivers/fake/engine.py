@@ -48,7 +48,8 @@ from evinfra.drivers.fake.kvpublish import KVPublisher
 from evinfra.drivers.fake.outputs import DecodeProgress
 from evinfra.drivers.fake.plane import DataPlane
 from evinfra.drivers.fake.prefill import PrefillSide
-from evinfra.drivers.fake.records import DecodeRecord, DecodeState, PrefillRecord, Run
+from evinfra.drivers.fake.records import (DecodeRecord, DecodeState, PrefillIteration,
+                                           PrefillRecord, Run)
 from evinfra.drivers.fake.timing import GroundTruth
 
 __all__ = ["FakeEngine"]
@@ -103,6 +104,10 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._ready: list[DecodeRecord] = []
         self._running: list[DecodeRecord] = []
         self._run: Run | None = None
+        self._waiting_since: float | None = None  # prefill work present, the GPU idle
+        self.prefill_log: list[PrefillIteration] | None = None
+        """Every prefill iteration while in the prefill phase (paper D.6's idle time), once
+        :meth:`FakeCluster.record_prefill` asks for it: a serving engine keeps no log."""
 
     # -- commands (the EngineDriver surface) ----------------------------------------------
 
@@ -197,6 +202,7 @@ class FakeEngine(PrefillSide, DecodeSide):
                       self._inflight):
             queue.clear()
         self._chunked = self._run = None
+        self._waiting_since = None
 
     def stall(self) -> None:
         """Stop making progress and publishing until :meth:`resume` (a stuck engine)."""
@@ -323,9 +329,14 @@ class FakeEngine(PrefillSide, DecodeSide):
         if target is not Phase.PREFILL:
             self._join(now)
         if self._running:
+            self._waiting_since = None
             self._launch_decode(now)
             return
         self._run = None
+        if not self._queue and self._chunked is None:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = now
         if self._was_busy:
             self._was_busy = False
             self._state(now)

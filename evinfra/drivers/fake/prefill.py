@@ -21,7 +21,7 @@ from evinfra.core.contracts import PrefillOrder
 from evinfra.core.events import (IterationReport, PrefillDone, PrefillItem, PrefillStarted,
                                  RequestFailed)
 from evinfra.core.types import Phase, RequestId, Tier
-from evinfra.drivers.fake.records import PrefillRecord
+from evinfra.drivers.fake.records import PrefillIteration, PrefillRecord
 
 __all__ = ["PrefillSide"]
 
@@ -95,8 +95,9 @@ class PrefillSide:
         the rest of its input (no reservation while queued, paper D.1)."""
         c, page, path = self.cache, self.config.page_size, rec.path
         if rec.fetch:
-            # Fetched only now (``peer_fetch = "prefill_start"``): the load stalls the
-            # iteration that consumes it (paper D.6), once.
+            # Fetched only now (``peer_fetch = "prefill_start"``): the transfer and the
+            # load-back stall the iteration that consumes it (paper D.6), once; so does the
+            # load-back of the node's own host copies below.
             added = self._pull(rec, now)
             if added:
                 rec.load_s = rec.fetch_s = (self.config.fetch_latency
@@ -113,7 +114,10 @@ class PrefillSide:
             return "fail"
         if need > c.kv_room or not c.make_room(need):
             return "wait"
-        rec.restored += c.insert(path, rec.locked, rec.tokens, now).restored
+        restored = c.insert(path, rec.locked, rec.tokens, now).restored
+        rec.restored += restored
+        if restored and rec.load_s is None and self.config.peer_fetch == "prefill_start":
+            rec.load_s = 0.0  # own host copies: loaded back too, no network transfer
         c.reserve(compute)
         rec.reserved = compute
         # At least one input token is computed (its logits give the first output token).
@@ -158,9 +162,15 @@ class PrefillSide:
     def _launch_prefill(self, chunks: list[tuple[PrefillRecord, PrefillItem]], now: float) -> None:
         items = [item for _, item in chunks]
         duration = self.truth.prefill(items)
+        loads = [rec.load_s for rec, _ in chunks if rec.load_s is not None]
+        load = sum(loads) + self.config.load_back_s if loads else 0.0
         for rec, _ in chunks:
-            duration += rec.load_s
-            rec.load_s = 0.0
+            rec.load_s = None
+        duration += load
+        if self.phase is Phase.PREFILL and self.prefill_log is not None:
+            waited = 0.0 if self._waiting_since is None else now - self._waiting_since
+            self.prefill_log.append(PrefillIteration(now, duration, waited, load))
+        self._waiting_since = None
         self._inflight, self._busy, self._was_busy, self._run = chunks, "prefill", True, None
         self._prefilled = True
         self._timer = self._at(now + duration, self._end_prefill, now, duration)

@@ -8,6 +8,7 @@ has one record of each kind.
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,7 +16,20 @@ from evinfra.core.clock import Timer
 from evinfra.core.contracts import DecodeOrder, PrefillOrder
 from evinfra.core.hashing import as_tokens
 
-__all__ = ["DecodeRecord", "DecodeState", "PrefillRecord", "Run"]
+__all__ = ["DecodeRecord", "DecodeState", "PrefillIteration", "PrefillRecord", "Run"]
+
+
+class PrefillIteration(NamedTuple):
+    """One prefill iteration of a prefill node, for the idle time of paper D.6: the GPU
+    waited ``waited`` seconds before ``start`` while the node had prefill requests to serve
+    (none ready: fetching, awaiting their decode reservation, or short of room), then
+    ``load`` seconds of its ``duration`` loading fetched KV before the forward
+    (``peer_fetch = "prefill_start"``)."""
+
+    start: float
+    duration: float
+    waited: float
+    load: float
 
 
 class PrefillRecord:
@@ -46,7 +60,7 @@ class PrefillRecord:
         self.fetched = 0  # blocks that arrived from peers
         self.restored = 0  # blocks loaded into L1 for it: fetched plus own host copies (t_rst)
         self.done = 0  # input tokens whose KV exists
-        self.load_s = 0.0  # a fetch at prefill start: seconds it adds to the first chunk
+        self.load_s: float | None = None  # a fetch at prefill start: its transfer seconds
         self.fetch_s = 0.0  # seconds the peer fetch took, reported in PrefillDone
         self.timer: Timer | None = None
 

@@ -109,4 +109,7 @@ class Sticky(Stateless):
             stale = [k for k, e in self.entries.items() if now - e.last_access >= limit]
             for k in stale:
                 del self.entries[k]
+            if stale:  # their branches' keys too, or the map would grow with every branch
+                gone = set(stale)
+                self._key = {b: k for b, k in self._key.items() if k not in gone}
             self._next_eviction = now + self.config.eviction_interval_s

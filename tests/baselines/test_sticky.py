@@ -48,9 +48,12 @@ def test_failover_keeps_two_candidates_and_comes_back() -> None:
 def test_idle_sessions_are_evicted_on_the_gateways_interval() -> None:
     s = Sticky(StickyConfig(max_idle_s=100.0, eviction_interval_s=60.0))
     s.select(view("a:0", NODES, now=0.0))
+    s.select(view("a:0.1", NODES, parent="a:0", now=0.0))
     s.select(view("b:0", NODES, now=50.0))
+    assert s.key("a:0.1", None) == "a:0"  # remembered while the session lives
     s.select(view("c:0", NODES, now=120.0))  # the first check, at 60 s: a idle 120 s
     assert set(s.entries) == {"b:0", "c:0"}
+    assert s.key("a:0.1", None) == "a:0.1"  # its branches' keys went with it
     s.select(view("c:0", NODES, now=170.0))  # before the next check (180 s)
     assert "b:0" in s.entries
     s.select(view("c:0", NODES, now=200.0))

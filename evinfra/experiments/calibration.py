@@ -42,7 +42,7 @@ from evinfra.config import Config
 from evinfra.experiments.fig2a import SETTINGS as SWEEPS
 from evinfra.experiments.fig2a import plans as sweep_plans
 from evinfra.experiments.common import best_static, closed, system
-from evinfra.experiments.report import METRICS, ExperimentReport, Table, metrics_row
+from evinfra.experiments.report import ExperimentReport, Table, all_runs
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 from evinfra.workloads.summary import Summary
@@ -198,8 +198,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                       f" At {scale.name} scale the agent counts and windows are not the "
                       "paper's, so throughput, latency and switch rows cannot match: only "
                       "the full scale calibrates.")),
-        Table(title="All runs", columns=["run"] + METRICS,
-              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+        all_runs(runs),
     ]
     return ExperimentReport(name="calibration", title=TITLE, scale=scale.describe(),
                             config=config_path, seed=seed, tables=tables, runs=runs), []

@@ -25,7 +25,7 @@ import msgspec
 from evinfra.config import Config
 from evinfra.experiments.common import best_prefill, best_static, closed, label, sweep, system
 from evinfra.experiments.fetches import FetchBin
-from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
+from evinfra.experiments.report import ExperimentReport, Table, all_runs, bars
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 from evinfra.workloads.summary import WAIT_LABELS, WAIT_NAMES, Summary
@@ -128,8 +128,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                        "fetch p50 (ms)", "fetch p90 (ms)", "queueing p50 (s)",
                        "queueing / fetch (p50)"], rows=e,
               note=_fetch_note(fixed.fetches) if fixed is not None else "Not played."),
-        Table(title="All runs", columns=["run"] + METRICS,
-              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+        all_runs(runs),
     ]
     plots = [
         ("fig8a.png", lambda p: bars(p, "(a) mean E2E by initial split",

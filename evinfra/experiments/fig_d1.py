@@ -19,7 +19,7 @@ import msgspec
 
 from evinfra.config import Config, NodeConfig
 from evinfra.experiments.common import closed, system
-from evinfra.experiments.report import ExperimentReport, Table, metrics_row, METRICS
+from evinfra.experiments.report import ExperimentReport, Table, all_runs
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 
@@ -77,8 +77,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
         Table(title="From the smallest to the largest cluster (paper: static PD's P95 TTFT "
                     "x2.9, 142 to 418 s; evinfra's within 10-14 s, mean E2E +16 %)",
               columns=["system", "sizes", "P95 TTFT x", "mean E2E x"], rows=growth),
-        Table(title="All runs", columns=["run"] + METRICS,
-              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+        all_runs(runs),
     ]
     notes = [f"Static PD: SGLang PD at P/D = {PD_RATIO} (round(N x 0.375) prefill nodes) behind "
              "the cache-aware gateway; evinfra starts from the same split and adapts. "

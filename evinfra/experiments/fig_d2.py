@@ -27,7 +27,7 @@ from evinfra.config import Config
 from evinfra.experiments.common import system
 from evinfra.experiments.fig_d1 import sized
 from evinfra.experiments.fig_d1 import speed as run_speeds
-from evinfra.experiments.report import METRICS, ExperimentReport, Table, metrics_row
+from evinfra.experiments.report import ExperimentReport, Table, all_runs
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 from evinfra.partitions.binding import Group
@@ -137,8 +137,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
             "static queueing (s)", "static queueing / cluster", "evinfra queueing / cluster",
             "evinfra P/D ratio shift", "evinfra final split", "static PD req/s",
             "static PD queueing / cluster"], rows=rows),
-        Table(title="All runs", columns=["run"] + METRICS,
-              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+        all_runs(runs),
     ]
     notes = [f"{PARTITIONS} partitions of {NODES['quick' if scale.name == 'quick' else 'full']} "
              f"nodes; static: evinfra held at P/D = 0.6 (the planner's gain); static PD: SGLang PD "

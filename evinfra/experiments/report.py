@@ -71,6 +71,12 @@ def metrics_row(s: Summary, o: RunOutcome | None = None) -> list[Cell]:
             c.final_split if c else None, s.errors]
 
 
+def all_runs(runs: dict[str, RunOutcome]) -> Table:
+    """Every run's :data:`METRICS`, by key: the last table of most experiments."""
+    return Table(title="All runs", columns=["run"] + METRICS,
+                 rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())])
+
+
 def ratio_row(ev: Summary, base: Summary) -> list[Cell]:
     return [higher(ev.throughput, base.throughput), lower(ev.e2e.mean, base.e2e.mean),
             lower(ev.ttft.p95, base.ttft.p95), lower(ev.lost_kv_reuse, base.lost_kv_reuse)]

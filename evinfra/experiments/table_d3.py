@@ -31,7 +31,7 @@ import msgspec
 
 from evinfra.config import Config
 from evinfra.experiments.common import best_static, closed, label, system
-from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
+from evinfra.experiments.report import ExperimentReport, Table, all_runs, bars
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 
@@ -93,8 +93,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                    "end is not counted). The fake engines keep the config's GB300 "
                    "coefficients per phase and evinfra's 0.7-s in-place switch: the paper's "
                    "B200 TP8/ADP8 times are not given. Load: CC (no BrowseComp generator)."),
-        Table(title="All runs", columns=["run"] + METRICS,
-              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+        all_runs(runs),
     ]
     plots = [("tableD3.png", lambda p: bars(
         p, "six nodes from 4P2D", [r[0] for r in rows],

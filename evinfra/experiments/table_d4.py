@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from evinfra.config import Config
 from evinfra.experiments.common import best_prefill, best_static, closed, sweep, system
-from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
+from evinfra.experiments.report import ExperimentReport, Table, all_runs, bars
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 
@@ -78,8 +78,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
             "peak use (%)", "mean use (%)"], rows=rows,
               note="Use: ThunderAgent's own estimate of its programs' KV over a node's GPU "
                    "plus host capacity (it pauses above 95 %)."),
-        Table(title="All runs", columns=["run"] + METRICS,
-              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+        all_runs(runs),
     ]
     plots = [("tableD4.png", lambda p: bars(p, f"at {at}", [r[0] for r in rows],
                                             {"throughput": [r[1] for r in rows],

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from evinfra.config import Config
 from evinfra.experiments.common import closed, system
-from evinfra.experiments.report import METRICS, ExperimentReport, Table, bars, metrics_row
+from evinfra.experiments.report import ExperimentReport, Table, all_runs, bars
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 
@@ -105,8 +105,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                    "the transfer) is D.6's measurement of upstream SGLang, an input here: "
                    "the rows of that run that follow from it are not independent of the "
                    "paper."),
-        Table(title="All runs", columns=["run"] + METRICS,
-              rows=[[o.key] + metrics_row(o.summary, o) for _, o in sorted(runs.items())]),
+        all_runs(runs),
     ]
     shown = [(name, runs[key]) for name, key, _ in RUNS if key in runs]
     plots = [("tableD5.png", lambda p: bars(

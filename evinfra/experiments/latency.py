@@ -22,10 +22,6 @@ and ``fig6``/``fig7`` with ``--latency-rule``): throughput lost (the issue's bud
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable
 
 import msgspec
@@ -34,6 +30,7 @@ import numpy as np
 from evinfra.config import Config
 from evinfra.core.events import RequestDone
 from evinfra.control import Service
+from evinfra.experiments import runs
 from evinfra.experiments.common import closed, label, rate_factor, system
 from evinfra.experiments.report import Cell, ExperimentReport, Table
 from evinfra.experiments.runs import RunOutcome, RunPlan
@@ -41,9 +38,8 @@ from evinfra.experiments.scale import Scale
 from evinfra.planner.itermodel import NodeModel
 from evinfra.planner.planner import Planner, Split, predict
 from evinfra.planner.window import SliceWork
-from evinfra.sim.harness import RunSpec, simulate
-from evinfra.workloads import make_workload, poisson_arrivals
-from evinfra.workloads.summary import summarise
+from evinfra.sim.harness import RunSpec
+from evinfra.workloads import poisson_arrivals
 
 __all__ = ["BUDGET", "Reviewed", "TITLE", "budget", "execute", "observe", "plans", "report",
            "run_plans", "score"]
@@ -138,19 +134,10 @@ def observe(plan: RunPlan) -> tuple[RunOutcome, list[Reviewed]]:
     scored period."""
     probes: list[_Probe] = []
     start, end = plan.spec.warmup, plan.spec.warmup + plan.spec.duration
-    workloads = {w: make_workload(w, plan.seed) for w in plan.workloads}
-    t0 = time.perf_counter()
-    result = simulate(plan.config, workloads, plan.spec,
-                      on_start=lambda s: probes.append(_Probe(s, end)))
+    outcome = runs.execute(plan, on_start=lambda s: probes.append(_Probe(s, end)))
     probe = probes[0]
     if not probe.planner.warming_up and probe.planner.window_end <= end + 1e-9:
         probe.review(probe.planner.window_end)  # the window that ends with the run
-    p = plan.config.cluster.initial_prefill
-    outcome = RunOutcome(
-        key=plan.key, digest=plan.digest, system=plan.system, policy=plan.config.policy.name,
-        initial_split=label(plan.config, p), summary=summarise(result.records, start, end),
-        control=result.control.summarise(start, end), runner=result.stats,
-        wall_s=time.perf_counter() - t0)
     return outcome, [w for w in probe.windows if w.start >= start - 1e-9 and w.end <= end + 1e-9]
 
 
@@ -222,31 +209,11 @@ def execute(plan: RunPlan) -> RunOutcome:
     return msgspec.structs.replace(outcome, extras=score(windows))
 
 
-def _execute_encoded(plan: bytes) -> bytes:
-    return msgspec.msgpack.encode(execute(msgspec.msgpack.decode(plan, type=RunPlan)))
-
-
 def run_plans(plans: Iterable[RunPlan], jobs: int = 1,
               progress: Callable[[RunOutcome, int, int], None] | None = None
               ) -> dict[str, RunOutcome]:
     """:func:`~evinfra.experiments.runs.run_plans` with the probe in every run."""
-    plans = list(plans)
-    out: dict[str, RunOutcome] = {}
-
-    def got(o: RunOutcome) -> None:
-        out[o.key] = o
-        if progress is not None:
-            progress(o, len(out), len(plans))
-
-    if jobs <= 1:
-        for plan in plans:
-            got(execute(plan))
-        return out
-    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        for raw in pool.map(_execute_encoded, [msgspec.msgpack.encode(p) for p in plans]):
-            got(msgspec.msgpack.decode(raw, type=RunOutcome))
-    return out
+    return runs.run_plans(plans, jobs, progress, play=execute)
 
 
 # -- the experiment --------------------------------------------------------------------------

@@ -127,8 +127,9 @@ def _fits(reports: list[IterationReport], times: list[float], held_out: float,
     return out
 
 
-def execute(plan: RunPlan) -> RunOutcome:
-    """Play one plan (in this process)."""
+def execute(plan: RunPlan, on_start: Callable[[Service], None] | None = None) -> RunOutcome:
+    """Play one plan (in this process); ``on_start`` sees the service before it starts (an
+    experiment's own recorders)."""
     reports: list[IterationReport] = []
     services: list[Service] = []
     fetches: list[FetchRecorder] = []
@@ -140,6 +141,8 @@ def execute(plan: RunPlan) -> RunOutcome:
             service.fake_cluster.record_prefill()
         if plan.fits_at:
             service.bus.subscribe(IterationReport, reports.append)
+        if on_start is not None:
+            on_start(service)
 
     workloads = {w: make_workload(w, plan.seed) for w in plan.workloads}
     t0 = time.perf_counter()
@@ -172,15 +175,16 @@ def execute(plan: RunPlan) -> RunOutcome:
         wall_s=time.perf_counter() - t0)
 
 
-def _execute_encoded(plan: bytes) -> bytes:
-    return msgspec.msgpack.encode(execute(msgspec.msgpack.decode(plan, type=RunPlan)))
+def _execute_encoded(play: Callable[[RunPlan], RunOutcome], plan: bytes) -> bytes:
+    return msgspec.msgpack.encode(play(msgspec.msgpack.decode(plan, type=RunPlan)))
 
 
 def run_plans(plans: Iterable[RunPlan], jobs: int = 1,
-              progress: Callable[[RunOutcome, int, int], None] | None = None
-              ) -> dict[str, RunOutcome]:
-    """Play every plan, ``jobs`` at a time in worker processes (1: in this process).
-    Outcomes come back by key; ``progress`` hears of each as it finishes."""
+              progress: Callable[[RunOutcome, int, int], None] | None = None,
+              play: Callable[[RunPlan], RunOutcome] = execute) -> dict[str, RunOutcome]:
+    """Play every plan with ``play`` (a module-level function, for the worker processes),
+    ``jobs`` at a time in worker processes (1: in this process). Outcomes come back by key;
+    ``progress`` hears of each as it finishes."""
     plans = list(plans)
     keys = [p.key for p in plans]
     if len(set(keys)) != len(keys):
@@ -190,13 +194,13 @@ def run_plans(plans: Iterable[RunPlan], jobs: int = 1,
     order = sorted(plans, key=lambda p: -_cost(p))
     if jobs <= 1:
         for plan in order:
-            out[plan.key] = execute(plan)
+            out[plan.key] = play(plan)
             if progress is not None:
                 progress(out[plan.key], len(out), len(plans))
         return out
     ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_execute_encoded, msgspec.msgpack.encode(p)) for p in order]
+        futures = [pool.submit(_execute_encoded, play, msgspec.msgpack.encode(p)) for p in order]
         for f in futures:
             outcome = msgspec.msgpack.decode(f.result(), type=RunOutcome)
             out[outcome.key] = outcome

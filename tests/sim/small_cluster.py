@@ -1,5 +1,5 @@
 """A small cluster for end-to-end simulations in tests: four fake nodes, 2P2D after a
-2-minute warm-up, 1-minute windows of 4 slices, small caches (memory pressure in seconds)."""
+2-minute warm-up, 2-minute windows of 4 slices, small caches (memory pressure in seconds)."""
 
 SMALL = """
 [cluster]

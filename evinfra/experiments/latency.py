@@ -30,10 +30,11 @@ import numpy as np
 from evinfra.config import Config
 from evinfra.core.events import RequestDone
 from evinfra.control import Service
-from evinfra.experiments import runs
 from evinfra.experiments.common import closed, label, rate_factor, system
 from evinfra.experiments.report import Cell, ExperimentReport, Table
 from evinfra.experiments.runs import RunOutcome, RunPlan
+from evinfra.experiments.runs import execute as execute_run
+from evinfra.experiments.runs import run_plans as run_all
 from evinfra.experiments.scale import Scale
 from evinfra.planner.itermodel import NodeModel
 from evinfra.planner.planner import Planner, Split, predict
@@ -134,7 +135,7 @@ def observe(plan: RunPlan) -> tuple[RunOutcome, list[Reviewed]]:
     scored period."""
     probes: list[_Probe] = []
     start, end = plan.spec.warmup, plan.spec.warmup + plan.spec.duration
-    outcome = runs.execute(plan, on_start=lambda s: probes.append(_Probe(s, end)))
+    outcome = execute_run(plan, on_start=lambda s: probes.append(_Probe(s, end)))
     probe = probes[0]
     if not probe.planner.warming_up and probe.planner.window_end <= end + 1e-9:
         probe.review(probe.planner.window_end)  # the window that ends with the run
@@ -213,7 +214,7 @@ def run_plans(plans: Iterable[RunPlan], jobs: int = 1,
               progress: Callable[[RunOutcome, int, int], None] | None = None
               ) -> dict[str, RunOutcome]:
     """:func:`~evinfra.experiments.runs.run_plans` with the probe in every run."""
-    return runs.run_plans(plans, jobs, progress, play=execute)
+    return run_all(plans, jobs, progress, play=execute)
 
 
 # -- the experiment --------------------------------------------------------------------------

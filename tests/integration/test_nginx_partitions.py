@@ -60,6 +60,10 @@ class Tier(NamedTuple):
     procs: dict[str, subprocess.Popen]
     upstream: dict[str, str]
     """``host:port`` (nginx's ``X-Evinfra-Upstream``) -> partition name."""
+    conf: Path
+    """The ``nginx.conf`` that ``evinfra partitions nginx`` wrote."""
+    front: int
+    """nginx's port."""
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path, what: str) -> None:
@@ -75,6 +79,13 @@ def _wait(url: str, proc: subprocess.Popen, log: Path, what: str) -> None:
             pass
         time.sleep(0.1)
     pytest.fail(f"{what} did not become ready: {log.read_text()[-3000:]}")
+
+
+def _start_nginx(nginx: str, prefix: Path, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        return subprocess.Popen([nginx, "-p", str(prefix), "-c", "nginx.conf", "-e", "stderr",
+                                 "-g", "daemon off;"], stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -123,17 +134,13 @@ def tier(tmp_path_factory) -> Iterator[Tier]:
                              text=True)
         assert out.returncode == 0, out.stderr
         log = d / "nginx.log"
-        with open(log, "wb") as f:
-            procs["nginx"] = subprocess.Popen(
-                [nginx, "-p", str(prefix), "-c", "nginx.conf", "-e", "stderr",
-                 "-g", "daemon off;"], stdout=f, stderr=subprocess.STDOUT,
-                start_new_session=True)
+        procs["nginx"] = _start_nginx(nginx, prefix, log)
         for name, url in partitions.items():
             _wait(url + "/ready", procs[name], d / f"{name}.log", f"partition {name}")
         base = f"http://127.0.0.1:{front}"
         _wait(base + "/health", procs["nginx"], log, "nginx")
         upstream = {u.removeprefix("http://"): n for n, u in partitions.items()}
-        yield Tier(base, partitions, procs, upstream)
+        yield Tier(base, partitions, procs, upstream, prefix / "nginx.conf", front)
     finally:
         for p in procs.values():
             _stop(p)
@@ -194,7 +201,9 @@ def test_dynamo_session_headers_bind_a_sub_agent_to_its_parent(tier, client):
     assert len(spots) > 1
 
 
-def test_a_stream_arrives_through_nginx_chunk_by_chunk(tier, client):
+def _stream_times(base: str) -> list[float]:
+    """Arrival times of a 60-token streamed completion's chunks, through ``base``."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     t0 = time.monotonic()
     times = []
     stream = client.completions.create(model=MODEL, prompt="Tell a long story.", max_tokens=60,
@@ -206,10 +215,38 @@ def test_a_stream_arrives_through_nginx_chunk_by_chunk(tier, client):
             times.append(time.monotonic() - t0)
             text += chunk.choices[0].text
     assert len(text) == 60
-    # 60 decode iterations of >= 10 ms: buffered to the end, every chunk would come at once.
-    span = times[-1] - times[0]
-    assert span > 0.3, times
-    assert len({round(t, 2) for t in times}) > 10, times
+    return times
+
+
+def _chunk_by_chunk(times: list[float]) -> bool:
+    """60 decode iterations of >= 10 ms: buffered to the end, every chunk comes at once."""
+    return times[-1] - times[0] > 0.3 and len({round(t, 2) for t in times}) > 10
+
+
+def test_a_stream_arrives_through_nginx_chunk_by_chunk(tier):
+    times = _stream_times(tier.base)
+    assert _chunk_by_chunk(times), times
+
+
+def test_control_an_nginx_that_buffers_the_stream_fails_that_check(tier, tmp_path):
+    """The control of the test above: the same config with buffering on and the event stream
+    gzipped (the compressor holds the answer until it ends) delivers every chunk at once."""
+    conf = tier.conf.read_text()
+    buffering = conf.replace(
+        "proxy_buffering off;", "proxy_buffering on; gzip on; gzip_types text/event-stream; "
+        "gzip_proxied any; gzip_min_length 1;")
+    port = free_port()
+    buffering = buffering.replace(f":{tier.front};", f":{port};")
+    assert buffering.count(f":{port};") == 1 and "gzip on;" in buffering
+    (tmp_path / "nginx.conf").write_text(buffering)
+    proc = _start_nginx(nginx_binary(), tmp_path, tmp_path / "nginx.log")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait(base + "/health", proc, tmp_path / "nginx.log", "the buffering nginx")
+        times = _stream_times(base)
+    finally:
+        _stop(proc)
+    assert not _chunk_by_chunk(times), times
 
 
 def test_agents_spread_and_each_partition_shows_only_its_own(tier, client):

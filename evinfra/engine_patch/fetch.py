@@ -25,7 +25,8 @@ Each job's times are wall clock (``time.time()``): ``arrival``, ``fetch_start``,
 ``fetch_end``, ``load_end``, ``released`` (un-parked), ``prefill_start``; they are logged as
 one ``evinfra_fetch {json}`` line when the prefill starts, kept in ``recent``, and the counts
 (``fetched`` tokens from peers, ``restored`` tokens loaded host->device) go back to the client
-in ``meta_info.cached_tokens_details`` (``evinfra_fetched``, ``evinfra_restored``).
+in ``meta_info.cached_tokens_details`` (``evinfra_fetched``, ``evinfra_restored``, and
+``evinfra_fetch_s``: the seconds the read of a fetch took).
 Decode engines never fetch: plans reaching one are ignored (paper 4.2, D.6).
 """
 
@@ -355,8 +356,13 @@ class Fetcher:
         job = self.jobs.get(rid)
         if job is None:
             return None
-        return {"evinfra_fetched": job.fetched_pages * self.page_size,
-                "evinfra_restored": job.restored}
+        out = {"evinfra_fetched": job.fetched_pages * self.page_size,
+               "evinfra_restored": job.restored}
+        if job.fetched_pages and "fetch_end" in job.times:
+            # The read itself (lease, transfer, release), the fetch time the router's tau
+            # models; waiting for the puller thread is the request's queueing.
+            out["evinfra_fetch_s"] = job.times["fetch_end"] - job.times["fetch_thread_start"]
+        return out
 
     def busy(self) -> bool:
         return bool(self.parked) or bool(self.active)

@@ -37,6 +37,7 @@ msgpack over ZMQ between two patched engines.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Mapping
 
 import msgspec
@@ -47,7 +48,7 @@ __all__ = [
     "IterationLog", "IterationRecord", "LeaseReply", "LeaseRequest", "PatchInfo", "Release",
     "Shard",
     "WireError", "decode_count_hints", "decode_iterations", "fetch_kv_hints", "find_fetch_plan",
-    "restored_tokens",
+    "fetch_seconds", "restored_tokens",
 ]
 
 COUNT_HINTS_PATH = "/evinfra/hints"
@@ -210,6 +211,16 @@ def restored_tokens(details: Mapping[str, Any] | None) -> tuple[int, int]:
     host = details.get("host", 0)
     as_int = [x if isinstance(x, int) and x > 0 else 0 for x in (fetched, restored, host)]
     return as_int[0], as_int[1] + as_int[2]
+
+
+def fetch_seconds(details: Mapping[str, Any] | None) -> float:
+    """Seconds the engine's read of a fetch from peers took (``evinfra_fetch_s``), 0 when it
+    fetched nothing or reports no valid time: the observation ``PrefillDone.fetch_s`` carries
+    to the router's fetch-time model (Eq. 7's tau)."""
+    s = details.get("evinfra_fetch_s") if details else None
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < math.inf:
+        return 0.0
+    return float(s)
 
 
 # -- what the engine advertises ----------------------------------------------------------

@@ -8,7 +8,8 @@ from evinfra.engine_patch.layout import host_layout
 from evinfra.engine_patch.wire import (FETCH_ACTION, FetchPlan, FetchRunWire, LeaseReply,
                                        LeaseRequest, Release, Shard, WireError,
                                        decode_count_hints, fetch_kv_hints, find_fetch_plan,
-                                       pool_decoder, pool_encoder, restored_tokens)
+                                       pool_decoder, pool_encoder, restored_tokens,
+                                       fetch_seconds)
 
 LAYOUT = host_layout("layer_first", 4096, 64, 2, 32, 4)
 
@@ -61,6 +62,15 @@ def test_reuse_counts_from_cached_tokens_details():
     # SGLang's own host hits (loaded during the prefill) are restored tokens too.
     assert restored_tokens({"device": 8, "host": 16, "evinfra_restored": 4}) == (0, 20)
     assert restored_tokens({"host": "x", "evinfra_fetched": -3}) == (0, 0)
+
+
+def test_fetch_seconds_from_cached_tokens_details():
+    assert fetch_seconds({"evinfra_fetched": 48, "evinfra_fetch_s": 0.0071}) == 0.0071
+    # Nothing fetched, stock SGLang, or a time that is not one: no observation.
+    for bad in (None, {}, {"device": 40}, {"evinfra_fetch_s": -1.0}, {"evinfra_fetch_s": 0},
+                {"evinfra_fetch_s": "0.1"}, {"evinfra_fetch_s": True},
+                {"evinfra_fetch_s": float("nan")}, {"evinfra_fetch_s": float("inf")}):
+        assert fetch_seconds(bad) == 0.0, bad
 
 
 def test_lease_messages_round_trip():

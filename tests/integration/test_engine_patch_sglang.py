@@ -273,7 +273,8 @@ def test_the_fetch_equivalence_fails_on_corrupted_fetched_pages(pair, model_dir)
 
 async def test_the_driver_sends_fetch_plans_and_reports_restored_tokens(pair):
     """``PrefillOrder.fetch`` reaches the engine through the driver; ``PrefillDone.fetched``
-    and the prefill iteration report's ``t_rst`` carry what it pulled and restored."""
+    and the prefill iteration report's ``t_rst`` carry what it pulled and restored, and
+    ``PrefillDone.fetch_s`` how long the pull took."""
     from evinfra.core.bus import Bus
     from evinfra.core.clock import WallClock
     from evinfra.core.events import (IterationReport, PrefillDone, PrefillStarted,
@@ -321,6 +322,8 @@ async def test_the_driver_sends_fetch_plans_and_reports_restored_tokens(pair):
         assert out == base["output_ids"]
         done = next(e for e in events if isinstance(e, PrefillDone))
         assert done.fetched == 40 and done.cached >= 40
+        # The read's own time, for the router's fetch-time model (0 before the patch said it).
+        assert 0 < done.fetch_s < 5, done
         # The engine's own log of passes: its prefill of the request (named by the engine's
         # rid), whose 40 fetched tokens were loaded while it was queued, none in the pass.
         report = await until(lambda: [e for e in events if isinstance(e, IterationReport)

@@ -50,7 +50,8 @@ from evinfra.drivers.sglang.requests import (DONE, Bootstrap, Chunk, OutputCurso
                                              generate_body, parse_sse_line, priority_for,
                                              prompt_logprobs)
 from evinfra.engine_patch.wire import (STATUS_PATH, FetchPlan, FetchRunWire, decode_iterations,
-                                       fetch_kv_hints, restored_tokens)
+                                       fetch_kv_hints, fetch_seconds,
+                                       restored_tokens)
 from evinfra.errors import EngineError, EvinfraError
 
 __all__ = ["DriverSettings", "SGLangDriver", "switch_wait_s"]
@@ -369,6 +370,8 @@ class SGLangDriver:
         self._loads.prefill_finished(f.request, computed, cached, restored)
         self.bus.publish(PrefillDone(f.request, self.node, self.clock.now(), cached=cached,
                                      fetched=fetched, computed=computed,
+                                     fetch_s=fetch_seconds(meta.cached_tokens_details)
+                                     if fetched else 0.0,
                                      prompt_logprobs=prompt_logprobs(meta) if prompt else None))
 
     async def _run_decode(self, f: _Leg, order: DecodeOrder) -> None:

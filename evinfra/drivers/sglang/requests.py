@@ -124,9 +124,9 @@ class MetaInfo(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_details: dict[str, int | str] | None = None
+    cached_tokens_details: dict[str, int | float | str] | None = None
     """SGLang's split of ``cached_tokens`` by tier (with HiCache), plus the engine patch's
-    ``evinfra_fetched`` / ``evinfra_restored`` (``engine_patch/wire.py``)."""
+    ``evinfra_fetched`` / ``evinfra_restored`` / ``evinfra_fetch_s`` (``engine_patch/wire.py``)."""
     e2e_latency: float | None = None
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
     """With ``return_logprob``: ``(logprob, id, text)`` per output token, all so far (or,

@@ -326,7 +326,8 @@ async def test_a_fetch_plan_goes_to_a_patched_engine_only(cluster):
     drivers, engines, events = cluster
     patched = engines["p"].patch is not None
     bodies = []
-    details = {"device": 8, "host": 0, "evinfra_fetched": 8, "evinfra_restored": 8}
+    details = {"device": 8, "host": 0, "evinfra_fetched": 8, "evinfra_restored": 8,
+               "evinfra_fetch_s": 0.0071}
 
     async def prefill(request, body):
         bodies.append(body)
@@ -348,8 +349,9 @@ async def test_a_fetch_plan_goes_to_a_patched_engine_only(cluster):
     else:
         assert "kv_hints" not in bodies[0]
         assert drivers["p"].stats["fetch_plans_ignored"] == 1
-    # Whatever the engine says it pulled is reported (a stock engine never says it).
-    assert (done.cached, done.fetched) == (8, 8)
+    # Whatever the engine says it pulled, and how long the pull took, is reported (a stock
+    # engine never says it).
+    assert (done.cached, done.fetched, done.fetch_s) == (8, 8, 0.0071)
 
 
 @pytest.mark.parametrize("cluster", [True], indirect=True, ids=["patched"])

@@ -292,8 +292,10 @@ def test_generate_body_carries_the_fetch_plan_and_the_reply_its_reuse():
     assert "kv_hints" not in generate_body([1], s, "r", Bootstrap("h", 1, 2))
     chunk = parse_sse_line(b'data: {"output_ids": [], "meta_info": {"cached_tokens": 48, '
                            b'"cached_tokens_details": {"device": 48, "host": 0, '
-                           b'"evinfra_fetched": 40, "evinfra_restored": 48}}}')
+                           b'"evinfra_fetched": 40, "evinfra_restored": 48, '
+                           b'"evinfra_fetch_s": 0.0071}}}')
     assert chunk.meta_info.cached_tokens_details["evinfra_fetched"] == 40
+    assert chunk.meta_info.cached_tokens_details["evinfra_fetch_s"] == 0.0071
 
 
 def test_pair_book_names_each_engines_pool():

@@ -7,13 +7,15 @@ agent arrivals), evinfra at fixed splits (``planner.adapt = false``:
 :func:`~evinfra.sim.sweep.fixed_split`). The fixed split's planner
 still closes its windows when a decision would fall (:meth:`~evinfra.planner.planner.Planner.
 review`): the window's slices and the models remeasured on them, exactly what a decision sees,
-go into :func:`~evinfra.planner.planner.predict`. Its column for the run's own split is set
+go into :func:`~evinfra.planner.planner.predict` with the window's active sources
+(:attr:`~evinfra.planner.planner.Planner.sources`). Its column for the run's own split is set
 against what the same requests measured (those that finished in the window, as the window
 counts them), on the control plane's records: prefill wait (arrival to prefill start), TTFT
 (arrival to first token) and E2E (arrival to the end). An open-loop agent's wait for admission
 is not the cluster's, and neither side counts it. Predictions are averaged over the slices
 weighted by their requests, so both sides average the same requests; a slice where the split
-is predicted not to keep up (``inf``) is left out of the mean and counted apart.
+is predicted not to keep up (capacity ≤ 1) is counted apart, and one without a finite
+prediction (the decode has no fixed point) is left out of the mean.
 
 :func:`budget` compares the latency rule with the paper's rule where both ran (``tableD2``,
 and ``fig6``/``fig7`` with ``--latency-rule``): throughput lost (the issue's budget: at most
@@ -74,6 +76,8 @@ class Reviewed(msgspec.Struct, frozen=True, kw_only=True):
     slices: list[SliceWork]
     models: list[NodeModel]
     """Every node's model, remeasured on the window (as :func:`plan` takes them)."""
+    sources: list[float] | None = None
+    """The active sources of each slice (:attr:`Planner.sources`, as :func:`plan` takes them)."""
     wait: list[float]
     ttft: list[float]
     e2e: list[float]
@@ -121,7 +125,7 @@ class _Probe:
         p = self.planner
         self.windows.append(Reviewed(
             start=start, end=now, split=p.split, slices=slices,
-            models=[p.models[n] for n in p.nodes],
+            models=[p.models[n] for n in p.nodes], sources=p.sources,
             wait=[d.prefill_start - d.arrival for d in mine],
             ttft=[d.first_token - d.arrival for d in mine],
             e2e=[d.end - d.arrival for d in mine],
@@ -145,9 +149,10 @@ def observe(plan: RunPlan) -> tuple[RunOutcome, list[Reviewed]]:
 def score(windows: list[Reviewed]) -> dict[str, float]:
     """Predicted against measured over ``windows`` (see the module docstring): for the
     split's own column ``pred_Q`` and ``meas_Q`` (Q in :data:`QUANTITIES`, and ``service``:
-    prefill start to first token), for every candidate ``pred_e2e_{p}P`` (a mean without a
-    finite value is left out); ``unstable``: the share of requests in slices where the split
-    is predicted not to keep up; ``rho``: the predicted prefill load; the measured squared
+    prefill start to first token, predicted as the batch's time ``Latency.prefill``), for
+    every candidate ``pred_e2e_{p}P`` (a mean without a finite value is left out);
+    ``unstable``: the share of requests in slices where the split is predicted not to keep up
+    (capacity ≤ 1); ``rho``: the predicted prefill load; the measured squared
     coefficients of variation of the requests' inter-arrival times (``arrival_scv``, 1 for
     Poisson) and of their prefill times (``prefill_scv``, 1 for M/M/c's exponential
     service); ``fetched``: the share of requests that fetched KV from a peer, and
@@ -157,17 +162,18 @@ def score(windows: list[Reviewed]) -> dict[str, float]:
     n = len(windows[0].models)
     own = len(windows[0].split.prefill) - 1
     weights, rows = [], {q: [] for q in (*QUANTITIES, "service")}
-    every, rho, gaps = [], [], []
+    every, capacity, rho, gaps = [], [], [], []
     for w in windows:
         used = [s for s in w.slices if s.usable]
         if not used:
             continue
-        _, lat = predict(w.models, w.split, w.slices)
+        _, lat = predict(w.models, w.split, w.slices, w.sources)
         weights.append([s.requests for s in used])
         for q in QUANTITIES:
             rows[q].append(getattr(lat, q))
-        rows["service"].append(lat.service)
+        rows["service"].append(lat.prefill)
         every.append(lat.e2e)
+        capacity.append(lat.capacity[:, own])
         rate = np.array([s.requests / s.length for s in used])
         rho.append(rate * lat.service[:, own] / (own + 1))
         gaps.extend(np.diff(w.arrivals).tolist())
@@ -186,7 +192,7 @@ def score(windows: list[Reviewed]) -> dict[str, float]:
     e2e = np.concatenate(every)
     for p in range(1, n):
         out[f"pred_e2e_{p}P"] = mean(e2e[:, p - 1])
-    out["unstable"] = float(weight[~np.isfinite(e2e[:, own])].sum() / weight.sum())
+    out["unstable"] = float(weight[~(np.concatenate(capacity) > 1.0)].sum() / weight.sum())
     out["rho"] = mean(np.concatenate(rho))
     out["requests"] = float(sum(len(w.e2e) for w in windows))
     out["windows"] = float(len(windows))
@@ -292,9 +298,11 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                    "split at each window end, from that window's slices and remeasured "
                    "models, weighted by the slices' requests; measured: the same requests' "
                    "control-plane times. Prefill time: from the prefill's start to the first "
-                   "token (the estimate's service time S). Relative error (predicted − "
-                   "measured) / measured. SCV: squared coefficient of variation, 1 for the "
-                   "M/M/c model's Poisson arrivals and exponential prefill times."),
+                   "token (the estimate's batch time b·S). Relative error (predicted − "
+                   "measured) / measured. Unstable: slices where the split's predicted "
+                   "capacity is at most the slice's rate. SCV: squared coefficient of "
+                   "variation, 1 for the model's Poisson arrivals and exponential prefill "
+                   "times."),
         Table(title="Mean error per workload and loop, over the splits",
               columns=["workload", "loop", "splits", "prefill wait, mean |error| (s)",
                        "TTFT, mean |rel. error|", "prefill time, mean |rel. error|",

@@ -5,19 +5,32 @@ For slice ``i``, with arrival rate ``λ_i = requests_i / length_i`` and mean wor
 candidate with ``p`` prefill nodes ``π[:p]`` and decode nodes ``π[p:]`` (the order of
 :func:`~evinfra.planner.planner.plan`):
 
-* **Prefill (TTFT).** The router spreads requests over the prefill nodes by predicted TTFT, so
+* **Prefill queue.** The router spreads requests over the prefill nodes by predicted TTFT, so
   they are taken as one queue of ``c = p`` servers of total rate ``μ_P = Σ_{n∈P} μ_P,n(w̄_i)``
   (Eq. 3), mean service ``S = c/μ_P`` (each node serves its share at its own speed) and load
-  ``ρ = λ/μ_P``. The mean wait is Sakasegawa's approximation of the M/M/c queue,
-  ``W_q = S·ρ^(√(2(c+1)) − 1) / (c(1 − ρ))``, and ``TTFT = W_q + S``.
+  ``ρ = λ/μ_P``. Agents stop sending while they wait, so at most the slice's ``N_i`` active
+  sources (:class:`Sources`: agents or sub-agent branches, from the window's requests) can
+  queue: the wait ``W_q`` is that of the finite-source M/M/c//N queue (Engset's
+  machine-repair model) whose sources send at the rate that makes it serve ``λ``; as ``ρ → 1``
+  it tends to every other source waiting, ``(N − c)/μ_P``, and stays there when ``ρ ≥ 1``
+  (the closed loop slows down instead of queueing without end). Without sources (an infinite
+  one) it is the M/M/c wait, Sakasegawa's approximation
+  ``S·ρ^(√(2(c+1)) − 1) / (c(1 − ρ))``, and ``inf`` when ``ρ ≥ 1``.
+* **Batched prefill.** A node prefills the requests waiting for it together, in chunked
+  iterations of up to ``t̄`` uncached tokens (the nodes' mean ``t̄_n``, Eq. 3): a request's
+  prefill takes its batch's time, ``b·S`` with ``b = 1 + L_q/c`` requests (itself and those
+  waiting per node), at most ``t̄/t_uc``. ``TTFT = W_q + b·S``.
 * **Decode (TPOT, E2E).** A request runs ``n_iter = t_out/t_acc`` decode iterations. The
   requests in decode spread evenly over the ``|D|`` decode nodes, ``B = q/|D|``, and Little's
   law ``q = λ·n_iter·T_D^iter(B)`` (Eq. 2 with the decode nodes' mean coefficients) is solved
   for ``B`` by iterating ``B ← λ·n_iter·T_D^iter(B)/|D|`` from 0: ``T_D^iter`` increases and is
-  concave in ``B``, so the iterates increase to the least fixed point when there is one.
-  ``TPOT = T_D^iter(B)/t_acc`` and the decode takes ``n_iter·T_D^iter(B)``.
-* ``E2E = TTFT + n_iter·T_D^iter(B)``. A candidate that cannot keep up in a slice (``ρ ≥ 1``, or
-  no fixed point) predicts ``inf`` there.
+  concave in ``B``, so the iterates increase to the least fixed point when there is one, that
+  is when ``a·d2 < 1`` (``a = λ·n_iter/|D|``; ``φ ≤ 1``). ``TPOT = T_D^iter(B)/t_acc`` and the
+  decode takes ``n_iter·T_D^iter(B)``.
+* ``E2E = TTFT + n_iter·T_D^iter(B)``, ``inf`` where the decode has no fixed point (or, with an
+  infinite source, ``ρ ≥ 1``).
+* **Capacity**: the largest multiple of the slice's rate the candidate keeps up with,
+  ``min(μ_P/λ, 1/(a·d2))``; it *keeps up* in the slice when that exceeds 1.
 
 Queueing for a decode slot and the P->D transfer are left out: they do not depend on the
 split the way the two queues above do. The estimate is a model, not a measurement: the
@@ -26,13 +39,16 @@ planner switches on it only past a margin (``PlannerConfig.latency_min_gain``).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
+from scipy.optimize import brentq
+from scipy.special import gammaln
 
 from evinfra.planner.itermodel import phi
 
-__all__ = ["Latency", "predict_e2e"]
+__all__ = ["Latency", "Sources", "predict_e2e"]
 
 _ITERATIONS = 200
 _TOLERANCE = 1e-9
@@ -44,29 +60,105 @@ class Latency(NamedTuple):
     wait: np.ndarray
     """``W_q``: the wait for a prefill node, before the prefill starts."""
     service: np.ndarray
-    """``S``: the prefill itself (finite where the wait is not: ``ρ = λ·S/c``)."""
+    """``S``: one request's share of a prefill node (``ρ = λ·S/c``)."""
+    prefill: np.ndarray
+    """The prefill itself, its batch's time ``b·S`` (TTFT − wait)."""
     ttft: np.ndarray
     tpot: np.ndarray
     e2e: np.ndarray
+    capacity: np.ndarray
+    """The largest multiple of the slice's rate the candidate keeps up with (> 1: it does)."""
+
+
+class Sources:
+    """The active sources of one window's slices: each branch (an agent or sub-agent) is
+    active from its first request's arrival to its last request's end among the requests that
+    end in the window; a slice's ``N`` is the mean number active over it. O(branches)."""
+
+    def __init__(self, start: float, end: float, m: int) -> None:
+        self.start, self.end, self.m = start, end, m
+        self._spans: dict[str, tuple[float, float]] = {}
+
+    def add(self, branch: str, arrival: float, end: float) -> None:
+        """A request of ``branch`` that arrived at ``arrival`` ended at ``end``."""
+        if not self.start <= end < self.end:
+            return
+        first, last = self._spans.get(branch, (end, end))
+        self._spans[branch] = (min(first, arrival), max(last, end))
+
+    def per_slice(self) -> list[float] | None:
+        """``N`` of every slice; None without any request seen (an infinite source)."""
+        if not self._spans:
+            return None
+        edges = np.linspace(self.start, self.end, self.m + 1)
+        first, last = np.array(list(self._spans.values())).T
+        overlap = (np.minimum(last[:, None], edges[None, 1:])
+                   - np.maximum(first[:, None], edges[None, :-1])).clip(min=0.0)
+        return (overlap.sum(axis=0) / np.diff(edges)).tolist()
+
+
+def _finite_wait(lam: float, total: float, c: int, n: int) -> tuple[float, float]:
+    """``(W_q, L_q)`` of the M/M/c//N queue of ``n`` sources and ``c`` servers of total rate
+    ``total`` that serves ``lam`` (the module docstring); its saturated limit when it cannot."""
+    if n <= c:
+        return 0.0, 0.0  # every source has a server
+    mu = total / c
+    k = np.arange(n + 1)
+    # log of p_k / p_0 at a per-source rate r = 1: C(n, k)·k!/(c!·c^(k−c)) beyond c servers.
+    base = gammaln(n + 1) - gammaln(n - k + 1) - np.where(
+        k <= c, gammaln(k + 1), gammaln(c + 1) + (k - c) * math.log(c))
+    busy = np.minimum(k, c)
+    queued = np.maximum(k - c, 0)
+
+    def probabilities(log_r: float) -> np.ndarray:
+        p = np.exp((lp := base + k * log_r) - lp.max())
+        return p / p.sum()
+
+    if lam >= total:
+        return (n - c) / total, float(n - c)
+    # Throughput μ·E[busy] grows with r from 0 to c·μ; at r = λ/(nμ) it is at most λ.
+    low = math.log(lam / (n * mu))
+    high = low + 2.0
+    while mu * (busy @ probabilities(high)) < lam:
+        high += 2.0 * (high - low)
+    log_r = brentq(lambda x: math.log(mu * (busy @ probabilities(x)) / lam), low, high,
+                   xtol=1e-10)
+    lq = float(queued @ probabilities(log_r))
+    return lq / lam, lq
 
 
 def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.ndarray,
-                t_acc: np.ndarray, k_over_e: float, t_fwd: float) -> Latency:
+                t_acc: np.ndarray, k_over_e: float, t_fwd: float, *,
+                sources: np.ndarray | None = None, batch: np.ndarray | None = None) -> Latency:
     """The module docstring's estimate for ``p = 1..N−1``.
 
     ``mu_p``: ``(m, N)``, each node's prefill rate ``1/T_P^req(w̄_i)`` in the order π;
     ``d``: ``(3, N)``, each node's ``d0, d1, d2`` in that order; ``rate``, ``n_iter``,
-    ``t_acc``: ``(m,)``."""
+    ``t_acc``: ``(m,)``; ``sources``: ``(m,)``, the active sources ``N_i`` (None: an infinite
+    source); ``batch``: ``(m, N−1)``, the most requests a candidate's prefill iteration takes,
+    ``t̄/t_uc`` (None: one)."""
     m, n = mu_p.shape
     c = np.arange(1, n, dtype=float)
     total = np.cumsum(mu_p, axis=1)[:, :-1]  # μ_P of each candidate
     lam = rate[:, None]
     rho = lam / total
     service = c / total
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        wait = service * rho ** (np.sqrt(2 * (c + 1)) - 1) / (c * (1 - rho))
-    wait = np.where(rho < 1, wait, np.inf)
-    ttft = wait + service
+    if sources is None:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            wait = service * rho ** (np.sqrt(2 * (c + 1)) - 1) / (c * (1 - rho))
+        wait = np.where(rho < 1, wait, np.inf)
+        queued = wait * lam
+    else:
+        wait, queued = np.empty((m, n - 1)), np.empty((m, n - 1))
+        for i, j in np.ndindex(m, n - 1):
+            wait[i, j], queued[i, j] = _finite_wait(
+                float(rate[i]), float(total[i, j]), j + 1, max(1, math.ceil(sources[i])))
+    if batch is None:
+        prefill = service
+    else:
+        per_node = 1.0 + np.where(np.isfinite(queued), queued, 0.0) / c
+        prefill = np.clip(per_node, 1.0, np.maximum(batch, 1.0)) * service
+    ttft = wait + prefill
 
     size = n - c  # |D|
     d0, d1, d2 = (np.cumsum(x[::-1])[::-1][1:] / size for x in d)  # decode nodes' means
@@ -83,4 +175,8 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
     settled = np.abs(a * t_iter - B) <= 1e-6 * np.maximum(B, 1.0)
     decode = np.where(settled, n_iter[:, None] * t_iter, np.inf)
     tpot = np.where(settled, t_iter / t_acc[:, None], np.inf)
-    return Latency(wait=wait, service=service, ttft=ttft, tpot=tpot, e2e=ttft + decode)
+    with np.errstate(divide="ignore"):
+        decode_capacity = np.where(settled, 1.0 / (a * d2), np.minimum(1.0 / (a * d2), 1.0))
+    capacity = np.minimum(total / lam, decode_capacity)
+    return Latency(wait=wait, service=service, prefill=prefill, ttft=ttft, tpot=tpot,
+                   e2e=ttft + decode, capacity=capacity)

@@ -28,7 +28,7 @@ from evinfra.core.events import IterationReport, NodeState, RequestDone
 from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
 from evinfra.errors import ConfigError
 from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi, pool
-from evinfra.planner.latency import Latency, predict_e2e
+from evinfra.planner.latency import Latency, Sources, predict_e2e
 from evinfra.planner.window import SliceWork, Window
 
 __all__ = ["Candidate", "Decision", "Planner", "PlannerConfig", "Split", "SplitPlanner", "plan",
@@ -65,7 +65,11 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     test and ``latency_min_gain``, among those predicted to keep up with that margin more
     load in every slice. While the current split keeps up so, a throughput candidate
     predicted slower by more than the margin is set aside (Θ differs below capacity while the
-    throughput served does not; taking it would undo the latency rule's switches)."""
+    throughput served does not; taking it would undo the latency rule's switches), and so is
+    any candidate predicted not to keep up with the previous window's load (hysteresis). When
+    the current split is predicted not to keep up over the window (its mean load is at least
+    its capacity), the nearest candidate predicted to keep up takes its place without the
+    2σ/√m test (queues grow; :func:`_to_stable`)."""
     latency_min_gain: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
     """A latency switch also needs a mean gain of at least this share of the current split's
     predicted mean E2E: the model's own error, not only the slices' noise, must be beaten, so
@@ -155,7 +159,7 @@ class _Arrays:
     def __init__(self, k_over_e: float, t_fwd: float, columns: np.ndarray) -> None:
         self.k_over_e, self.t_fwd, self.columns = k_over_e, t_fwd, columns
         # c0/t̄ + c1 is Eq. 3's cost per uncached token; c3·f its cost per cached token.
-        self.per_token, self.c2, self.c3f, self.d0, self.d1, self.d2 = columns
+        self.per_token, self.c2, self.c3f, self.d0, self.d1, self.d2, self.t_bar = columns
 
     @classmethod
     def of(cls, models: Sequence[NodeModel]) -> "_Arrays":
@@ -164,7 +168,8 @@ class _Arrays:
             raise ValueError(f"all nodes must serve one model (k/E, t_fwd): got {shapes}")
         (k_over_e, t_fwd), = shapes
         return cls(k_over_e, t_fwd, np.array(
-            [(x.c0 / x.t_bar + x.c1, x.c2, x.c3 * x.f, x.d0, x.d1, x.d2) for x in models]).T)
+            [(x.c0 / x.t_bar + x.c1, x.c2, x.c3 * x.f, x.d0, x.d1, x.d2, x.t_bar)
+             for x in models]).T)
 
     def take(self, order: np.ndarray) -> "_Arrays":
         return _Arrays(self.k_over_e, self.t_fwd, self.columns[:, order])
@@ -265,21 +270,32 @@ def _work(slices: Sequence[SliceWork]) -> dict[str, np.ndarray]:
     return w
 
 
-def _latency(ranked: _Arrays, w: dict[str, np.ndarray], load: float = 1.0) -> Latency:
+def _latency(ranked: _Arrays, w: dict[str, np.ndarray], sources: np.ndarray | None) -> Latency:
     """:func:`~evinfra.planner.latency.predict_e2e` of every candidate, ``ranked`` in the
-    order π, at ``load`` times each slice's measured arrival rate."""
+    order π; a prefill iteration takes up to the candidate's prefill nodes' mean t̄ tokens."""
     mu_p = 1.0 / ranked.t_p_req(w["t_uc"], w["A"], w["t_c"])
     d = np.stack([ranked.d0, ranked.d1, ranked.d2])
-    return predict_e2e(mu_p, d, w["requests"] / w["length"] * load, w["n_iter"], w["t_acc"],
-                       ranked.k_over_e, ranked.t_fwd)
+    t_bar = np.cumsum(ranked.t_bar)[:-1] / np.arange(1, len(ranked.t_bar))
+    return predict_e2e(mu_p, d, w["requests"] / w["length"], w["n_iter"], w["t_acc"],
+                       ranked.k_over_e, ranked.t_fwd, sources=sources,
+                       batch=t_bar[None, :] / w["t_uc"][:, None])
 
 
-def predict(models: Sequence[NodeModel], split: Split,
-            slices: Sequence[SliceWork]) -> tuple[list[NodeId], Latency]:
+def _sources(slices: Sequence[SliceWork], sources: Sequence[float] | None) -> np.ndarray | None:
+    """The active sources of the usable slices (None: an infinite source)."""
+    if sources is None:
+        return None
+    if len(sources) != len(slices):
+        raise ValueError(f"{len(sources)} source counts for {len(slices)} slices")
+    return np.array([n for s, n in zip(slices, sources) if s.usable], dtype=float)
+
+
+def predict(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
+            sources: Sequence[float] | None = None) -> tuple[list[NodeId], Latency]:
     """What the latency rule predicts for every candidate on a window's usable ``slices``
-    (rows), with ``models`` as :func:`plan` takes them: π, and the estimate (column ``p − 1``
-    prefills on ``π[:p]``; column ``|P| − 1`` is ``split`` itself). For judging the estimate
-    against measured runs (``evinfra.experiments.latency``)."""
+    (rows), with ``models`` and ``sources`` as :func:`plan` takes them: π, and the estimate
+    (column ``p − 1`` prefills on ``π[:p]``; column ``|P| − 1`` is ``split`` itself). For
+    judging the estimate against measured runs (``evinfra.experiments.latency``)."""
     used = [s for s in slices if s.usable]
     if not used:
         raise ValueError("no usable slice: no finished request and decode iteration")
@@ -287,20 +303,26 @@ def predict(models: Sequence[NodeModel], split: Split,
     w = _work(used)
     nodes = _Arrays.of(models)
     order = _order(nodes, names, split, w)
-    return [names[i] for i in order], _latency(nodes.take(order), w)
+    return [names[i] for i in order], _latency(nodes.take(order), w, _sources(slices, sources))
 
 
 def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork], *,
          at: float, objective: Literal["throughput", "latency"] = "throughput",
          latency_min_gain: float = 0.05, ttft_target: float | None = None,
-         tpot_target: float | None = None) -> Decision:
+         tpot_target: float | None = None, sources: Sequence[float] | None = None,
+         recent: Sequence[SliceWork] = (), recent_sources: Sequence[float] | None = None
+         ) -> Decision:
     """Algorithm E.3 lines 17-28 for one window: evaluate every prefill count, pick or keep.
 
     ``models`` are usable models of every node of ``split`` (their t̄_n, f_n remeasured);
     ``slices`` are the window's. Slices without finished requests have no w̄ and are left
     out; m in ``2σ/√m`` counts the slices used. σ is the sample standard deviation. With
     ``objective = "latency"`` a window the throughput rule leaves alone is judged on
-    predicted mean E2E, and on the optional TTFT/TPOT targets (:class:`PlannerConfig`).
+    predicted mean E2E, and on the optional TTFT/TPOT targets (:class:`PlannerConfig`);
+    ``sources`` are the active sources of each of ``slices`` that the estimate's prefill
+    queue holds at most (:class:`~evinfra.planner.latency.Sources`; None: an infinite source);
+    ``recent`` and ``recent_sources`` are the previous window's, for the latency rule's
+    hysteresis (:func:`_behind`).
     """
     used = [s for s in slices if s.usable]
     if len(used) < 2:
@@ -325,12 +347,12 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
     qualified = mean > threshold
     qualified[current - 1] = False
     ordered = [names[i] for i in order]
-    e2e = headroom = None
+    lat = headroom = None
     set_aside = ""
     if objective == "latency":
         ranked = nodes.take(order)
 
-        lat = _latency(ranked, w)
+        lat = _latency(ranked, w, _sources(slices, sources))
         e2e = lat.e2e
         meets = None
         if ttft_target is not None or tpot_target is not None:
@@ -338,7 +360,7 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                      & (lat.tpot <= (np.inf if tpot_target is None else tpot_target))).all(axis=0)
         # Below capacity Θ of Eq. 5 is no capacity (its decode side is the rate served at
         # the measured q): what counts is keeping up with the margin more load.
-        headroom = np.isfinite(_latency(ranked, w, 1.0 + latency_min_gain).e2e).all(axis=0)
+        headroom = (lat.capacity >= 1.0 + latency_min_gain).all(axis=0)
         if headroom[current - 1]:
             # The current split keeps up: a Θ "gain" that costs predicted latency is that
             # artefact, and taking it would undo the latency rule's last switch.
@@ -348,6 +370,16 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                 qualified &= ~slower
                 set_aside = (f"; set aside, predicted slower while {split.label} keeps up: "
                              + ", ".join(f"{j + 1}P" for j in np.flatnonzero(dropped)))
+        # Hysteresis: while the current split kept up with the previous window's load, a
+        # split that would not is no place to go (load that alternates between windows would
+        # otherwise move the split back and forth, each move one window late).
+        behind = _behind(ranked, recent, recent_sources, current, latency_min_gain)
+        dropped = qualified & behind
+        if dropped.any():
+            qualified &= ~behind
+            set_aside += ("; set aside, predicted not to keep up with the previous window's "
+                          "load: " + ", ".join(f"{j + 1}P" for j in np.flatnonzero(dropped)))
+        headroom &= ~behind
     candidates = [
         Candidate(prefill=j + 1, moved=abs(j + 1 - current), gains=g, mean=mu, sigma=s,
                   threshold=th, qualified=ok)
@@ -373,11 +405,11 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                f"no throughput gain qualifies (best {best + 1}P: {mean[best]:.4g} req/s vs "
                f"{threshold[best]:.4g}, m = {m}){set_aside}")
         reason = f"keep {split.label}: {why}"
-        if e2e is not None and headroom is not None:
+        if lat is not None and headroom is not None:
             candidates, chosen, latency_why = _by_latency(
-                candidates, e2e, current, headroom, latency_min_gain, names, ordered, split,
-                meets)
-            e2e_now = e2e[:, current - 1].tolist()
+                candidates, lat, current, headroom, latency_min_gain, names, ordered, split,
+                float(theta[:, current - 1].mean()), meets)
+            e2e_now = lat.e2e[:, current - 1].tolist()
             if chosen is None:
                 reason += f"; {latency_why}"
             else:
@@ -389,20 +421,39 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                     chosen=chosen, reason=reason, rule=rule, e2e=e2e_now)
 
 
-def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int,
+def _behind(ranked: _Arrays, recent: Sequence[SliceWork], sources: Sequence[float] | None,
+            current: int, min_gain: float) -> np.ndarray:
+    """The candidates predicted not to keep up with the margin more load in every slice of
+    the previous window ``recent``, if the current split did (else none: nothing to hold)."""
+    used = [s for s in recent if s.usable]
+    if not used:
+        return np.zeros(len(ranked.t_bar) - 1, dtype=bool)
+    lat = _latency(ranked, _work(used), _sources(recent, sources))
+    kept = (lat.capacity >= 1.0 + min_gain).all(axis=0)
+    return ~kept if kept[current - 1] else np.zeros_like(kept)
+
+
+def _by_latency(candidates: list[Candidate], lat: Latency, current: int,
                 headroom: np.ndarray, min_gain: float, names: list[NodeId],
-                ordered: list[NodeId], split: Split, meets: np.ndarray | None = None
-                ) -> tuple[list[Candidate], Split | None, str]:
-    """The latency rule of :class:`PlannerConfig` on predicted mean E2E ``e2e`` (slices ×
+                ordered: list[NodeId], split: Split, theta_now: float,
+                meets: np.ndarray | None = None) -> tuple[list[Candidate], Split | None, str]:
+    """The latency rule of :class:`PlannerConfig` on the estimate ``lat`` (slices ×
     candidates): the candidates with their latency figures, the choice, and why.
-    ``headroom[p − 1]``: the candidate keeps up with every slice's rate plus the margin, so a
-    switch for latency never trades away the throughput served. ``meets[p − 1]``: the
-    candidate meets the TTFT/TPOT targets (None: no targets)."""
+    ``theta_now``: the current split's mean Θ. ``headroom[p − 1]``: the candidate keeps up
+    with every slice's rate plus the margin, so a switch for latency never trades away the
+    throughput served. ``meets[p − 1]``: the candidate meets the TTFT/TPOT targets (None: no
+    targets)."""
+    e2e = lat.e2e
     m = e2e.shape[0]
     now = e2e[:, current - 1]
+    if (1.0 / lat.capacity[:, current - 1]).mean() >= 1.0:
+        return _to_stable(candidates, lat, current, headroom, min_gain, names, ordered, split,
+                          theta_now)
     if not np.isfinite(now).all():
-        return candidates, None, (f"the latency rule waits: {split.label} is predicted not to "
-                                  "keep up in some slice (the throughput rule's case)")
+        return candidates, None, (
+            f"the latency rule keeps it: {split.label} is predicted over its capacity in "
+            f"{int((lat.capacity[:, current - 1] <= 1.0).sum())} of {m} slices but to keep up "
+            "over the window (a burst)")
     gains = now[:, None] - e2e
     finite = np.isfinite(e2e).all(axis=0)
     with np.errstate(invalid="ignore"):
@@ -435,6 +486,59 @@ def _by_latency(candidates: list[Candidate], e2e: np.ndarray, current: int,
                f"{100 * min_gain:g} % = {floor:.4g} s, keeping up with {100 * min_gain:g} % "
                f"more load in every slice{targets}")
     return out, Split.of(names, ordered[:best + 1]), figures
+
+
+def _to_stable(candidates: list[Candidate], lat: Latency, current: int, headroom: np.ndarray,
+               min_gain: float, names: list[NodeId], ordered: list[NodeId], split: Split,
+               theta_now: float) -> tuple[list[Candidate], Split | None, str]:
+    """The latency rule when ``split`` is predicted not to keep up over the window (its mean
+    load over the slices, ``mean_i λ_i/capacity_i``, is at least 1: the backlog grows) and the
+    throughput rule's noise test did not fire: queues grow, so no significance test waits for
+    them. The nearest candidate (ties: the lower predicted mean E2E) predicted to keep up with
+    the margin more load in every slice, else over the window. When none is, the load is
+    more than any split serves, and Θ (Eq. 5), the throughput rule's measure, judges: the
+    candidate with the largest mean gain, if that is the margin of the current split's mean
+    Θ ``theta_now`` (so the throughput rule does not undo it)."""
+    e2e = lat.e2e
+    load = (1.0 / lat.capacity).mean(axis=0)
+    mean = np.where(np.isfinite(e2e).all(axis=0), e2e.mean(axis=0), np.inf)
+    distance = np.abs(np.arange(1, e2e.shape[1] + 1) - current)
+    over = int((lat.capacity[:, current - 1] <= 1.0).sum())
+    state = (f"{split.label} is predicted not to keep up: its mean load is "
+             f"{load[current - 1]:.3g}x its capacity, over it in {over} of {e2e.shape[0]} "
+             "slices")
+    margin = 1.0 + min_gain
+    over_window = load * margin < 1.0
+    if headroom.any():
+        pool, what = headroom, (f"the nearest split predicted to keep up with "
+                                f"{100 * min_gain:g} % more load in every slice")
+    elif over_window.any():
+        pool, what = over_window, (f"the nearest split predicted to keep up with "
+                                   f"{100 * min_gain:g} % more load over the window")
+    else:
+        top = max(candidates, key=lambda c: c.mean)
+        if not top.mean > min_gain * theta_now:
+            return candidates, None, (
+                f"the latency rule keeps it: {state}; no split is predicted to keep up, and "
+                f"none serves {100 * min_gain:g} % more by Eq. 5 (best {top.prefill}P: mean "
+                f"gain {top.mean:.4g} req/s of {theta_now:.4g})")
+        pool = np.arange(len(load)) == top.prefill - 1
+        what = (f"the split that serves the most by Eq. 5, as none is predicted to keep up "
+                f"(mean gain {top.mean:.4g} req/s of {theta_now:.4g})")
+    # The current split is in no pool: its mean load is at least 1, and top is a candidate.
+    best = min(np.flatnonzero(pool), key=lambda j: (distance[j], mean[j]))
+    out = [msgspec.structs.replace(c, e2e=e2e[:, c.prefill - 1].tolist(),
+                                   e2e_qualified=bool(c.prefill - 1 == best))
+           for c in candidates]
+    chosen = Split.of(names, ordered[:best + 1])
+    figures = (f"{state}; {chosen.label} is {what}: mean load {load[best]:.3g}x, worst slice "
+               f"{1.0 / lat.capacity[:, best].min():.3g}x, predicted mean E2E "
+               f"{_seconds(mean[current - 1])} -> {_seconds(mean[best])}")
+    return out, chosen, figures
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.4g} s" if math.isfinite(x) else "unbounded"
 
 
 # -- the service's interface -----------------------------------------------------------------
@@ -525,6 +629,11 @@ class Planner:
         self.draining: set[NodeId] = set()
         self._fitters = {n: NodeFitter(n, config.k_over_e, config.t_fwd) for n in names}
         self._window: Window | None = None
+        self._sources: Sources | None = None
+        self._recent: tuple[list[SliceWork], list[float] | None] = ([], None)
+        self.sources: list[float] | None = None
+        """The active sources of each slice of the window last closed (the latency rule's
+        finite source, :class:`~evinfra.planner.latency.Sources`; None: none seen)."""
         self._last_switch = -math.inf
         self._q = 0.0
         self._out: list[NodeId] = []  # nodes out of service (down or cordoned), by name
@@ -561,7 +670,10 @@ class Planner:
         """Node reports: the window measures work from requests and iterations instead."""
 
     def observe_done(self, record: RequestDone) -> None:
-        """Finished requests arrive through :meth:`observe_request` with their work."""
+        """A request is over: its branch is an active source of the window (its work arrives
+        through :meth:`observe_request`)."""
+        if self._sources is not None:
+            self._sources.add(record.branch, record.arrival, record.end)
 
     def observe_loads(self, now: float, loads: "list[NodeLoad]") -> None:
         """Which nodes serve (not down, not cordoned): the next decision plans over those.
@@ -604,7 +716,7 @@ class Planner:
         self._fitters = {r.node: self._fitters[r.node] for r in reports if not _complete(r)}
         for r in reports:
             _log_fit(r)
-        self._window = Window(now, self.config.t_win, self.config.m, self._q)
+        self._open(now)
         return reports
 
     # -- decisions -------------------------------------------------------------------------
@@ -626,12 +738,13 @@ class Planner:
                    if now < hold else f"window ends at {self._window.end:g} s")
             return Decision(at=now, split=self.split, reason=f"keep {self.split.label}: {why}")
         slices = self._close()
+        recent, self._recent = self._recent, (slices, self.sources)
         blocked = self._blocked()
         if blocked:
             decision = Decision(at=now, split=self.split, slices=slices,
                                 reason=f"keep {self.split.label}: {blocked}")
         else:
-            decision = self._plan(slices, now)
+            decision = self._plan(slices, now, recent)
             stand_ins = self._stand_ins()
             if stand_ins:
                 decision = msgspec.structs.replace(
@@ -646,7 +759,7 @@ class Planner:
         if decision.chosen is not None:
             self.switch_to(decision.chosen, now)
         else:
-            self._window = Window(now, self.config.t_win, self.config.m, self._q)
+            self._open(now)
         return decision
 
     def review(self, now: float) -> list[SliceWork]:
@@ -657,12 +770,17 @@ class Planner:
         if self._window is None or now < self._window.end:
             raise RuntimeError(f"no window has ended at {now:g} s")
         slices = self._close()
-        self._window = Window(now, self.config.t_win, self.config.m, self._q)
+        self._open(now)
         return slices
 
+    def _open(self, start: float) -> None:
+        self._window = Window(start, self.config.t_win, self.config.m, self._q)
+        self._sources = Sources(start, self._window.end, self.config.m)
+
     def _close(self) -> list[SliceWork]:
-        assert self._window is not None
+        assert self._window is not None and self._sources is not None
         slices = self._window.close()
+        self.sources = self._sources.per_slice()
         self._remeasure(self._window)
         return slices
 
@@ -675,8 +793,7 @@ class Planner:
         self.split = split
         self._last_switch = now
         if self._window is not None:
-            self._window = Window(now + self.config.hold_off, self.config.t_win, self.config.m,
-                                  self._q)
+            self._open(now + self.config.hold_off)
 
     def _remeasure(self, window: Window) -> None:
         """E.3 line 15: new t̄_n, f_n for every model; refit the nodes whose own fit is not
@@ -693,14 +810,16 @@ class Planner:
         measured = window.remeasure({n: (x.t_bar, x.f) for n, x in self.models.items()})
         self.models = {n: x.remeasured(*measured[n]) for n, x in self.models.items()}
 
-    def _plan(self, slices: list[SliceWork], now: float) -> Decision:
+    def _plan(self, slices: list[SliceWork], now: float,
+              recent: tuple[list[SliceWork], list[float] | None]) -> Decision:
         """E.3 lines 17-28 over the nodes that serve: a node out of service (down, cordoned)
         gives the cluster no capacity, so the candidates split the others, and it keeps its
         phase for when it is back."""
         rule = {"objective": self.config.objective,
                 "latency_min_gain": self.config.latency_min_gain,
                 "ttft_target": self.config.ttft_target_s,
-                "tpot_target": self.config.tpot_target_s}
+                "tpot_target": self.config.tpot_target_s, "sources": self.sources,
+                "recent": recent[0], "recent_sources": recent[1]}
         if not self._out:
             return plan([self.models[n] for n in self.nodes], self.split, slices, at=now,
                         **rule)

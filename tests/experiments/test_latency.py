@@ -14,6 +14,7 @@ from evinfra.experiments import EXPERIMENTS
 from evinfra.experiments.latency import budget, observe, run_plans, score
 from evinfra.experiments.runs import run_plans as play
 from evinfra.experiments.scale import QUICK
+from evinfra.planner.planner import predict
 
 MICRO = msgspec.structs.replace(QUICK, name="micro", warmup=120.0, duration=120.0,
                                 agents=1 / 48, t_learn=120.0, t_win=60.0, m=4, hold_off=10.0,
@@ -57,6 +58,29 @@ def test_the_estimate_is_set_against_the_same_requests_and_a_wrong_model_scores_
     wrong = score(_double(windows))
     assert abs(wrong["pred_e2e"] / wrong["meas_e2e"] - 1) > error + 0.5
     assert wrong["pred_ttft"] > 1.5 * x["pred_ttft"]
+
+
+def test_a_saturated_closed_loop_is_a_finite_source():
+    """osworld, 36 agents, closed loop at 2P7D: the prefill side is saturated (ρ ≈ 1). The
+    agents wait instead of sending, so the queue holds at most the window's active branches:
+    the estimate with them is within 60 % of the measured E2E and prefill wait; an infinite
+    source (M/M/c, the estimate before) is several times off. The prefill takes its batch's
+    time, not one request's (S)."""
+    scale = msgspec.structs.replace(MICRO, agents=0.25)
+    plan = next(p for p in EXPERIMENTS["latency"].plans(CONFIG, scale, 1)
+                if p.key == "osworld-closed-2P")
+    _, windows = observe(plan)
+    assert all(w.sources and 20 < min(w.sources) <= max(w.sources) < 60 for w in windows)
+    x = score(windows)
+    assert x["rho"] > 0.95 and x["unstable"] > 0.2 and x["meas_wait"] > x["meas_service"]
+    assert abs(x["pred_e2e"] / x["meas_e2e"] - 1) < 0.6
+    assert abs(x["pred_wait"] / x["meas_wait"] - 1) < 1.5
+    infinite = score([msgspec.structs.replace(w, sources=None) for w in windows])
+    assert infinite["pred_e2e"] / infinite["meas_e2e"] > 3
+    assert infinite["pred_wait"] / infinite["meas_wait"] > 6
+    _, lat = predict(windows[0].models, windows[0].split, windows[0].slices, windows[0].sources)
+    assert (lat.prefill[:, 1] > 1.5 * lat.service[:, 1]).all()
+    assert abs(x["pred_service"] / x["meas_service"] - 1) < 0.35
 
 
 def test_the_table_reports_every_run_and_the_split_each_estimate_ranks_first():

@@ -67,4 +67,5 @@ def test_the_planner_decides_with_its_configured_targets(monkeypatch):
     monkeypatch.setattr(module, "plan", lambda *a, **k: seen.update(k) or real(*a, **k))
     c.window([OSWORLD] * c.planner.config.m)
     assert seen == {"at": pytest.approx(c.decisions[-1].at), "objective": "latency",
-                    "latency_min_gain": 0.05, "ttft_target": 0.4, "tpot_target": 0.01}
+                    "latency_min_gain": 0.05, "ttft_target": 0.4, "tpot_target": 0.01,
+                    "sources": None, "recent": [], "recent_sources": None}

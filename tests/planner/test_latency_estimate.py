@@ -1,0 +1,119 @@
+"""The latency estimate's prefill queue (issue 43): a finite source (agents stop sending while
+they wait, so at most the window's active sources queue) and batched prefill (a request's
+prefill takes its batch's time)."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from planner_fakes import OSWORLD, make_cluster
+from test_latency_rule import NAMES, homogeneous, window
+
+from evinfra.core.events import RequestDone
+from evinfra.planner import Split
+from evinfra.planner.latency import Sources, predict_e2e
+from evinfra.planner.planner import predict
+
+D = np.array([[0.01, 0.01], [0.0, 0.0], [0.0, 0.0]])  # decode: 10 ms, no batch term
+ONE = (np.array([100.0]), np.array([1.0]), 8 / 256, 2)  # n_iter, t_acc, k/E, t_fwd
+
+
+def one_prefill_node(rate: float, **kw):
+    """Two nodes, the candidate 1P1D: one prefill node of rate 1 request/s."""
+    return predict_e2e(np.array([[1.0, 1.0]]), D, np.array([rate]), *ONE, **kw)
+
+
+def test_the_finite_source_wait_by_hand():
+    """M/M/1//2 serving 0.8/s at μ = 1: p = (1, 2, 2)/5 at r = γ/μ = 1, so the throughput is
+    μ(p1 + p2) = 0.8 and W_q = L_q/λ = p2/0.8 = 0.5 s (Sakasegawa's M/M/1: 4 s)."""
+    lat = one_prefill_node(0.8, sources=np.array([2.0]))
+    assert lat.wait[0, 0] == pytest.approx(0.5, rel=1e-6)
+    assert one_prefill_node(0.8).wait[0, 0] == pytest.approx(0.8 / 0.2)  # infinite source
+    # Many sources: the M/M/1 wait (Sakasegawa's formula is exact at c = 1).
+    many = one_prefill_node(0.7, sources=np.array([5000.0]))
+    assert many.wait[0, 0] == pytest.approx(0.7 / 0.3, rel=0.01)
+    # Sources alone with a server each never wait.
+    assert one_prefill_node(0.8, sources=np.array([1.0])).wait[0, 0] == 0.0
+
+
+def test_a_finite_source_saturates_instead_of_exploding():
+    """At and past capacity an infinite source waits forever; 20 sources at most wait for
+    the 19 others: (N − c)/μ_P. The wait grows with the rate up to that bound."""
+    rates = [0.5, 0.9, 0.99, 0.999, 1.0, 1.5]
+    finite = [one_prefill_node(r, sources=np.array([20.0])) for r in rates]
+    waits = [x.wait[0, 0] for x in finite]
+    assert all(a < b for a, b in zip(waits, waits[1:-1])) and waits[-2] == waits[-1] == 19.0
+    assert np.isinf(one_prefill_node(1.0).wait[0, 0]) and np.isinf(one_prefill_node(1.5).e2e).all()
+    # Capacity: the multiple of the rate the candidate keeps up with, source or not.
+    assert [x.capacity[0, 0] for x in finite] == pytest.approx([1 / r for r in rates])
+    assert np.isfinite(finite[-1].e2e).all() and finite[-1].capacity[0, 0] < 1
+
+
+def test_a_prefill_takes_its_batchs_time():
+    """A node prefills the requests waiting for it together: b = 1 + L_q/c of them, at most
+    t̄/t_uc; TTFT = wait + b·S. Without a batch (or a queue) the prefill is S."""
+    light = one_prefill_node(0.1, sources=np.array([20.0]), batch=np.array([[4.0]]))
+    assert light.prefill[0, 0] == pytest.approx(1.0, rel=0.02)  # L_q ≈ 0.01
+    heavy = one_prefill_node(0.7, sources=np.array([20.0]), batch=np.array([[4.0]]))
+    lq = heavy.wait[0, 0] * 0.7
+    assert 2.0 > lq > 1.0 and heavy.prefill[0, 0] == pytest.approx(1.0 + lq)
+    assert heavy.ttft[0, 0] == pytest.approx(heavy.wait[0, 0] + heavy.prefill[0, 0])
+    capped = one_prefill_node(0.99, sources=np.array([20.0]), batch=np.array([[4.0]]))
+    assert capped.prefill[0, 0] == 4.0  # L_q ≈ 7 waiting, at most 4 per iteration
+    unbatched = one_prefill_node(0.9, sources=np.array([20.0]))
+    assert unbatched.prefill[0, 0] == unbatched.service[0, 0] == 1.0
+
+
+def test_the_planner_batches_up_to_its_prefill_nodes_mean_t_bar():
+    """``predict`` passes each candidate's prefill nodes' mean t̄ over the slice's t_uc as the
+    batch cap. At 1P a queue forms: prompts of ~2.3K tokens share 8,192-token iterations,
+    prompts of ~9K fill them alone."""
+    slices = window(np.random.default_rng(0), (290, 310))
+    split = Split.of(NAMES, NAMES[:2])
+    sources = [400.0] * len(slices)
+    _, lat = predict(homogeneous(9), split, slices, sources)
+    short = np.array([s.t_uc < 8192 for s in slices])
+    assert short.sum() == 5 and (lat.wait[:, 0] > 0.1 * lat.service[:, 0]).all()
+    assert (lat.prefill[short, 0] > 1.1 * lat.service[short, 0]).all()
+    np.testing.assert_array_equal(lat.prefill[~short, 0], lat.service[~short, 0])
+    one = [msgspec.structs.replace(x, t_bar=1.0) for x in homogeneous(9)]  # t̄ < every t_uc
+    _, unbatched = predict(one, split, slices, sources)
+    np.testing.assert_array_equal(unbatched.prefill, unbatched.service)
+    with pytest.raises(ValueError, match="3 source counts for 10 slices"):
+        predict(homogeneous(9), split, slices, [1.0, 2.0, 3.0])
+
+
+def test_sources_are_the_branches_active_in_each_slice():
+    s = Sources(100.0, 200.0, 4)
+    assert s.per_slice() is None  # none seen: an infinite source
+    s.add("a", 90.0, 110.0)  # in flight at the start: counts from the start
+    s.add("a", 140.0, 160.0)  # active 100-160
+    s.add("b", 120.0, 199.0)  # active 120-199
+    s.add("c", 150.0, 210.0)  # ends after the window: another window's
+    assert s.per_slice() == pytest.approx([1.0 + 0.2, 2.0, 1.0 + 0.4, 0.96])
+
+
+def test_the_planner_measures_its_sources_and_decides_with_them(monkeypatch):
+    import evinfra.planner.planner as module
+
+    c = make_cluster(prefill=3, objective="latency")
+    c.warmup()
+    p = c.planner
+    start, dt = p.window_end - p.config.t_win, p.config.t_win / p.config.m
+    for k in range(30):  # 30 branches, each sending every dt/2 over the whole window
+        for j in range(2 * p.config.m):
+            t = start + j * dt / 2
+            p.observe_done(RequestDone(request=f"r{k}.{j}", branch=f"b{k}", arrival=t,
+                                       end=t + dt / 4, status="ok", prompt_tokens=1,
+                                       output_tokens=1))
+    seen: dict = {}
+    real = module.plan
+    monkeypatch.setattr(module, "plan", lambda *a, **k: seen.update(k) or real(*a, **k))
+    c.window([OSWORLD] * p.config.m)
+    assert p.sources[:-1] == pytest.approx([30.0] * (p.config.m - 1))
+    assert p.sources[-1] == pytest.approx(30 * 0.75)  # the last request ends at 3/4 of it
+    assert seen["sources"] == p.sources and seen["objective"] == "latency"
+    # The next window counts afresh.
+    c.window([OSWORLD] * p.config.m)
+    assert p.sources is None

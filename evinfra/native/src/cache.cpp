@@ -219,43 +219,40 @@ class Cache {
     now_arg(now);
     Inserted r{};
     const int64_t k = prefix(path, n);
-    if (n > k) {  // a path is a hash chain: its blocks past the held prefix are new, once each
-      fresh_.clear();
-      for (int64_t j = k; j < n; ++j) {
-        const Hash h = path[j];
-        if (held(h) || !fresh_.emplace(h, Unit{}).second) {
-          throw nb::value_error("a path names a held block past its held prefix, or one twice");
-        }
+    const Hashes fresh = path.slice(static_cast<size_t>(k), static_cast<size_t>(n));
+    claim(fresh);
+    try {
+      lock_up(boundary(path, k), 0, now);  // room-making must not evict the chain we extend
+      r.l1p = tier_prefix(path, k, true);
+      r.stop1 = r.l1p + room_l1(n - r.l1p, r.removed_l1);
+      r.l2p = tier_prefix(path, k, false);
+      r.stop2 = r.l2p + room_l2(r.stop1 - r.l2p, r.removed_l2);
+      const int64_t l1p = r.l1p, stop1 = r.stop1, l2p = r.l2p, stop2 = r.stop2;
+      for (int32_t s : range(path, l1p, std::min(k, stop1))) {
+        Seg& seg = segs_[s];
+        seg.l1 = true;
+        l1_blocks_ += len(s);
+        locked_l1_ += len(s);
+        segs_[seg.parent].l1_kids += 1;
       }
+      for (int32_t s : range(path, l2p, std::min(k, stop2))) {
+        segs_[s].l2 = true;
+        l2_blocks_ += len(s);
+      }
+      if (stop1 > k) {
+        int32_t parent = boundary(path, k);
+        const auto at = [&](int64_t j) { return fresh.begin() + (j - k); };
+        if (stop2 > k) parent = new_seg(parent, Hashes(at(k), at(stop2)), k, true, now);
+        const int64_t from = std::max(k, stop2);
+        if (stop1 > from) new_seg(parent, Hashes(at(from), at(stop1)), from, false, now);
+      }
+    } catch (...) {
+      unclaim(fresh);
+      throw;
     }
-    lock_up(boundary(path, k), 0, now);  // room-making must not evict the chain we extend
-    const int64_t l1p = tier_prefix(path, k, true);
-    const int64_t stop1 = l1p + room_l1(n - l1p, r.removed_l1);
-    const int64_t l2p = tier_prefix(path, k, false);
-    const int64_t stop2 = l2p + room_l2(stop1 - l2p, r.removed_l2);
-    for (int32_t s : range(path, l1p, std::min(k, stop1))) {
-      Seg& seg = segs_[s];
-      seg.l1 = true;
-      l1_blocks_ += len(s);
-      locked_l1_ += len(s);
-      segs_[seg.parent].l1_kids += 1;
-    }
-    for (int32_t s : range(path, l2p, std::min(k, stop2))) {
-      segs_[s].l2 = true;
-      l2_blocks_ += len(s);
-    }
-    if (stop1 > k) {
-      int32_t parent = boundary(path, k);
-      if (stop2 > k) parent = new_seg(parent, path.slice(k, stop2), k, true, now);
-      const int64_t from = std::max(k, stop2);
-      if (stop1 > from) new_seg(parent, path.slice(from, stop1), from, false, now);
-    }
+    for (int64_t j = std::max(k, r.stop1); j < n; ++j) seg_of_.erase(fresh[j - k]);  // no room
     unlock_up(path, k, now);
     r.k = k;
-    r.l1p = l1p;
-    r.stop1 = stop1;
-    r.l2p = l2p;
-    r.stop2 = stop2;
     return r;
   }
 
@@ -339,6 +336,26 @@ class Cache {
  private:
   int64_t len(int32_t s) const { return static_cast<int64_t>(segs_[s].hashes.size()); }
   bool held(Hash h) const { return seg_of_.find(h) != seg_of_.end(); }
+
+  // A path is a hash chain: its blocks past the held prefix are new, once each. They are
+  // entered in the block map as unclaimed (one probe checks and places each, where their
+  // segment re-points them); nothing is changed if one is held or named twice.
+  static constexpr int32_t kClaimed = -1;
+  void claim(const Hashes& fresh) {
+    for (size_t j = 0; j < fresh.size(); ++j) {
+      if (!seg_of_.try_emplace(fresh[j], kClaimed).second) {
+        for (size_t i = 0; i < j; ++i) seg_of_.erase(fresh[i]);
+        throw nb::value_error("a path names a held block past its held prefix, or one twice");
+      }
+    }
+  }
+  // Drops the blocks of ``fresh`` that no segment took (a call that failed part-way).
+  void unclaim(const Hashes& fresh) {
+    for (Hash h : fresh) {
+      auto it = seg_of_.find(h);
+      if (it != seg_of_.end() && it->second == kClaimed) seg_of_.erase(it);
+    }
+  }
 
   int32_t seg_at(Hash h) const {
     auto it = seg_of_.find(h);

@@ -38,52 +38,86 @@ void HostOrder::unlink(int32_t i) {
 }
 
 void HostOrder::touch(Hash h) {
-  const uint8_t g = group_of(h);
-  auto it = index_.find(h);
-  if (it != index_.end()) {
+  auto [it, fresh] = entry_.try_emplace(h, kPositive);
+  if (!fresh && it->second >= 0) {
     // The block's group is the positive set's (apply_hints keeps it so): moved to its end.
-    unlink(it->second);
-    link_back(it->second, g);
+    const int32_t i = it->second;
+    unlink(i);
+    link_back(i, nodes_[i].group);
     return;
   }
+  const bool positive = !fresh;  // an entry without a node: a positive block
   int32_t i;
   if (!free_.empty()) {
     i = free_.back();
     free_.pop_back();
   } else {
     if (nodes_.size() >= static_cast<size_t>(INT32_MAX)) {
+      if (fresh) entry_.erase(it);
       throw std::length_error("host order full");
     }
     i = static_cast<int32_t>(nodes_.size());
     nodes_.push_back(Node{});
   }
-  nodes_[i].h = h;
-  nodes_[i].mark = 0;
-  index_.emplace(h, i);
-  link_back(i, g);
+  Node& n = nodes_[i];
+  n.h = h;
+  n.positive = positive;
+  n.mark = 0;
+  it.value() = i;
+  ++size_;
+  link_back(i, group(positive));
 }
 
 void HostOrder::remove(Hash h) {
-  auto it = index_.find(h);
-  if (it == index_.end()) return;
+  auto it = entry_.find(h);
+  if (it == entry_.end() || it->second < 0) return;
   const int32_t i = it->second;
-  index_.erase(it);
+  if (nodes_[i].positive) {
+    it.value() = kPositive;
+  } else {
+    entry_.erase(it);
+  }
   unlink(i);
   free_.push_back(i);
+  --size_;
 }
 
-void HostOrder::move(const Hashes& blocks, uint8_t src, const Arrange& arrange) {
-  // Most hinted blocks are not in host memory: only those in ``src`` are collected, once each.
-  const uint32_t mark = ++epoch_;
-  Hashes moving;
-  for (Hash h : blocks) {
-    auto it = index_.find(h);
-    if (it == index_.end()) continue;
+void HostOrder::set_positive(Hash h, bool on, uint32_t mark, Hashes& moving) {
+  if (on) {
+    auto [it, fresh] = entry_.try_emplace(h, kPositive);
+    if (fresh) {
+      ++positives_;
+      return;
+    }
+    if (it->second < 0) return;
     Node& n = nodes_[it->second];
-    if (n.group != src || n.mark == mark) continue;
+    if (n.positive) return;
+    n.positive = 1;
+    ++positives_;
+    if (group(true) != n.group && n.mark != mark) {
+      n.mark = mark;
+      moving.push_back(h);
+    }
+    return;
+  }
+  auto it = entry_.find(h);
+  if (it == entry_.end()) return;
+  if (it->second < 0) {
+    entry_.erase(it);
+    --positives_;
+    return;
+  }
+  Node& n = nodes_[it->second];
+  if (!n.positive) return;
+  n.positive = 0;
+  --positives_;
+  if (n.group != 0 && n.mark != mark) {
     n.mark = mark;
     moving.push_back(h);
   }
+}
+
+void HostOrder::move(Hashes& moving, uint8_t src, const Arrange& arrange) {
   if (moving.empty()) return;
   if (arrange) {
     Hashes arranged = moving;
@@ -100,8 +134,9 @@ void HostOrder::move(const Hashes& blocks, uint8_t src, const Arrange& arrange) 
 
 void HostOrder::join(const Hashes& moving, uint8_t src) {
   for (Hash h : moving) {
-    auto it = index_.find(h);
-    if (it == index_.end() || nodes_[it->second].group != src) continue;  // a bad arrangement
+    auto it = entry_.find(h);
+    // a bad arrangement: a block not in the order, or not in ``src``
+    if (it == entry_.end() || it->second < 0 || nodes_[it->second].group != src) continue;
     unlink(it->second);
     link_back(it->second, static_cast<uint8_t>(1 - src));
   }
@@ -113,34 +148,60 @@ void HostOrder::apply_hints(const Hashes& positive, const Hashes& zero, bool rep
     reset_hints(positive);
     return;
   }
-  for (Hash h : positive) positive_.emplace(h, Unit{});
-  if (aware_) move(positive, 0, arrange);
-  for (Hash h : zero) positive_.erase(h);
-  move(zero, 1, arrange);
+  // Most hinted blocks are not in host memory: only those whose group changes move, once
+  // each, the positive batch before the zero one.
+  Hashes moving;
+  uint32_t mark = ++epoch_;
+  for (Hash h : positive) set_positive(h, true, mark, moving);
+  move(moving, 0, arrange);
+  moving.clear();
+  mark = ++epoch_;
+  for (Hash h : zero) set_positive(h, false, mark, moving);
+  move(moving, 1, arrange);
 }
 
 void HostOrder::reset_hints(const Hashes& positive) {
-  positive_.clear();
-  for (Hash h : positive) positive_.emplace(h, Unit{});
+  for (auto it = entry_.begin(); it != entry_.end();) {
+    if (it->second < 0) {
+      it = entry_.erase(it);
+    } else {
+      nodes_[it->second].positive = 0;
+      ++it;
+    }
+  }
+  positives_ = 0;
+  Hashes unused;
+  for (Hash h : positive) set_positive(h, true, 0, unused);
   std::vector<int32_t> all;
-  all.reserve(index_.size());
+  all.reserve(size_);
   for (int32_t i = first(); i != kEnd; i = next(i)) all.push_back(i);
   head_[0] = head_[1] = tail_[0] = tail_[1] = kEnd;
-  for (int32_t i : all) link_back(i, group_of(nodes_[i].h));
+  for (int32_t i : all) link_back(i, group(nodes_[i].positive));
 }
 
 void HostOrder::clear() {
-  positive_.clear();
-  index_.clear();
+  entry_.clear();
   nodes_.clear();
   free_.clear();
+  size_ = positives_ = 0;
   head_[0] = head_[1] = tail_[0] = tail_[1] = kEnd;
 }
 
 Hashes HostOrder::victims() const {
   Hashes out;
-  out.reserve(index_.size());
+  out.reserve(size_);
   for (int32_t i = first(); i != kEnd; i = next(i)) out.push_back(nodes_[i].h);
+  return out;
+}
+
+Hashes HostOrder::positive_list() const {
+  Hashes out;
+  out.reserve(positives_);
+  for (const auto& kv : entry_) {
+    if (kv.second == kPositive || (kv.second >= 0 && nodes_[kv.second].positive)) {
+      out.push_back(kv.first);
+    }
+  }
   return out;
 }
 
@@ -150,18 +211,31 @@ std::string HostOrder::check() const {
     int32_t prev = kEnd;
     for (int32_t i = head_[g]; i != kEnd; prev = i, i = nodes_[i].next) {
       const Node& n = nodes_[i];
-      if (++seen > index_.size()) return "a list holds more blocks than the index";
+      if (++seen > size_) return "a list holds more blocks than the index";
       if (n.group != g || n.prev != prev) return "a broken list";
-      auto it = index_.find(n.h);
-      if (it == index_.end() || it->second != i) return "a listed block outside the index";
-      const bool pos = positive_.find(n.h) != positive_.end();
-      if (aware_ && g == 0 && pos) return "a positive block in the zero group";
-      if (aware_ && g == 1 && !pos) return "a zero-count block in the positive group";
+      auto it = entry_.find(n.h);
+      if (it == entry_.end() || it->second != i) return "a listed block outside the index";
+      if (aware_ && g == 0 && n.positive) return "a positive block in the zero group";
+      if (aware_ && g == 1 && !n.positive) return "a zero-count block in the positive group";
       if (!aware_ && g == 1) return "plain LRU has one group";
     }
     if (tail_[g] != prev) return "a list's tail is not its last block";
   }
-  if (seen != index_.size()) return "an indexed block in no list";
+  if (seen != size_) return "an indexed block in no list";
+  size_t nodes = 0, positives = 0;
+  for (const auto& kv : entry_) {
+    if (kv.second == kPositive) {
+      ++positives;
+    } else if (kv.second < 0 || static_cast<size_t>(kv.second) >= nodes_.size() ||
+               nodes_[kv.second].h != kv.first) {
+      return "an index entry that is no block's node";
+    } else {
+      ++nodes;
+      positives += nodes_[kv.second].positive;
+    }
+  }
+  if (nodes != size_) return "an indexed block in no list";
+  if (positives != positives_) return "the positive count";
   return "";
 }
 
@@ -213,20 +287,10 @@ void bind_host_order(nb::module_& m) {
           },
           nb::arg("positive"), "Replace the positive set wholesale.")
       .def("victims", &HostOrder::victims, "Every block in eviction order.")
-      .def(
-          "is_positive",
-          [](const HostOrder& o, Hash h) { return o.positive().find(h) != o.positive().end(); },
-          nb::arg("block"))
-      .def("positive_count", [](const HostOrder& o) { return o.positive().size(); })
-      .def(
-          "positive_list",
-          [](const HostOrder& o) {
-            Hashes out;
-            out.reserve(o.positive().size());
-            for (const auto& kv : o.positive()) out.push_back(kv.first);
-            return out;
-          },
-          "The positive set, in no particular order.")
+      .def("is_positive", &HostOrder::is_positive, nb::arg("block"))
+      .def("positive_count", &HostOrder::positive_count)
+      .def("positive_list", &HostOrder::positive_list,
+           "The positive set, in no particular order.")
       .def("check", &HostOrder::check, "An empty string, or the first broken invariant.");
 }
 

@@ -26,8 +26,11 @@ class HashSeq {
   size_t size() const { return static_cast<size_t>(PySequence_Fast_GET_SIZE(fast_.ptr())); }
   Hash operator[](size_t i) const {
     if (i >= size()) throw nb::index_error("a sequence of block hashes shrank while read");
+    PyObject* o = PySequence_Fast_GET_ITEM(fast_.ptr(), i);
+    Hash h;
+    if (exact_hash(o, h)) return h;
     // Held across the conversion: an element's __index__ is Python code.
-    nb::object item = nb::borrow(PySequence_Fast_GET_ITEM(fast_.ptr(), i));
+    nb::object item = nb::borrow(o);
     long long v = PyLong_AsLongLong(item.ptr());
     if (v == -1 && PyErr_Occurred()) throw nb::python_error();
     return v;
@@ -70,9 +73,17 @@ class HostOrder {
   };
 
   bool count_aware() const { return aware_; }
-  size_t size() const { return index_.size(); }
-  bool contains(Hash h) const { return index_.find(h) != index_.end(); }
-  const HashMap<Unit>& positive() const { return positive_; }
+  size_t size() const { return size_; }
+  bool contains(Hash h) const {
+    auto it = entry_.find(h);
+    return it != entry_.end() && it->second >= 0;
+  }
+  bool is_positive(Hash h) const {
+    auto it = entry_.find(h);
+    return it != entry_.end() && (it->second == kPositive || nodes_[it->second].positive);
+  }
+  size_t positive_count() const { return positives_; }
+  Hashes positive_list() const;
 
   // Insert the block, or mark it most recently used, in the group the positive set says.
   void touch(Hash h);
@@ -104,23 +115,30 @@ class HostOrder {
   struct Node {
     Hash h;
     int32_t prev, next;
-    uint8_t group;   // 0: zero count, 1: positive
-    uint32_t mark;   // the move that last collected it (a batch names a block once)
+    uint8_t group;     // 0: zero count, 1: positive (always 0 in plain LRU)
+    uint8_t positive;  // in the positive set
+    uint32_t mark;     // the move that last collected it (a batch names a block once)
   };
+  // An entry's value when the block is positive but not in the order.
+  static constexpr int32_t kPositive = -2;
 
-  uint8_t group_of(Hash h) const {
-    return aware_ && positive_.find(h) != positive_.end() ? 1 : 0;
-  }
+  uint8_t group(bool positive) const { return aware_ && positive ? 1 : 0; }
   void link_back(int32_t i, uint8_t g);
   void unlink(int32_t i);
-  void move(const Hashes& blocks, uint8_t src, const Arrange& arrange);
+  // Joins the positive set (``on``) or leaves it; a block in the order whose group changes
+  // with it is collected into ``moving`` (once per ``mark``).
+  void set_positive(Hash h, bool on, uint32_t mark, Hashes& moving);
+  void move(Hashes& moving, uint8_t src, const Arrange& arrange);
   // The blocks of ``moving`` still in group ``src`` join the other group's end, in order.
   void join(const Hashes& moving, uint8_t src);
 
   bool aware_;
-  HashMap<Unit> positive_;
-  HashMap<int32_t> index_;  // block -> its node
-  std::vector<Node> nodes_;
+  // One probe per block for both facts a block has here: its node in the order (>= 0), and
+  // whether it is positive (the node's flag, or kPositive for a block not in the order).
+  HashMap<int32_t> entry_;
+  size_t size_ = 0;       // blocks in the order
+  size_t positives_ = 0;  // blocks in the positive set
+  BigVector<Node> nodes_;
   std::vector<int32_t> free_;
   int32_t head_[2] = {kEnd, kEnd};
   int32_t tail_[2] = {kEnd, kEnd};

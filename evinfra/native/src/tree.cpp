@@ -416,7 +416,7 @@ class Tree {
     slots_ = n;
     words_ = words;
     stride_ = kBits + 2 * static_cast<size_t>(words);
-    std::vector<uint64_t> records(n * stride(), 0);
+    BigVector<uint64_t> records(n * stride(), 0);
     for (size_t s = 0; s < n && old > kBits; ++s) {
       std::copy_n(records_.data() + s * old, old, records.data() + s * stride());
     }
@@ -501,7 +501,7 @@ class Tree {
   HashMap<uint32_t> slot_;
   // The slots' records, stride() words each; slot 0 is never a block's (a missing block
   // reads as it: no holders).
-  std::vector<uint64_t> records_;
+  BigVector<uint64_t> records_;
   size_t slots_ = 0;  // in use or free, slot 0 included (records_ may hold more, zeroed)
   std::vector<uint32_t> free_;
   std::vector<size_t> held_l1_, held_l2_, held_any_;

@@ -33,6 +33,8 @@ def test_bad_calls_raise_and_leave_the_cache_consistent() -> None:
         (ValueError, lambda: c.lock([2], 1, 2.0)),  # block 2 is the second of its path
         (ValueError, lambda: c.insert([1, 2, 7, 3], 4, toks(a), 2.0)),  # not a hash chain
         (ValueError, lambda: c.insert([5, 6, 5], 3, toks(a), 2.0)),  # a block twice
+        # Not from the root: refused once its new block 9 is claimed, which must be undone.
+        (ValueError, lambda: c.insert([2, 9], 2, toks(a), 2.0)),
         (ValueError, lambda: c.insert(a, 4, toks(a), float("nan"))),
         (TypeError, lambda: c.insert(["x"], 1, toks(a), 2.0)),
         (TypeError, lambda: c.prefix(5)),

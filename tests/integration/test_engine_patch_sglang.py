@@ -545,8 +545,13 @@ def test_a_round_trip_through_the_service_keeps_the_blocks_in_the_directory(pair
                 time.sleep(0.05)
 
         wait(lambda: all(t == {Tier.L1, Tier.L2} for t in tiers_on("a")), what="a L1+L2")
-        # (The drivers replayed the engines' event history at start, the flushes of the tests
-        # above included: count only what comes from now on.)
+        # (The drivers replay the engines' event history at start, the flushes of the tests
+        # above included: wait until both have it all, then count only what comes from now on.
+        # On a loaded machine b's replay can still be under way once a's blocks are listed.)
+        caught_up = lambda: svc.call(lambda s: all(  # noqa
+            d._kv is not None and d._kv.stream.next_seq is not None
+            and not d._kv.stream.replaying for d in s.drivers.values()))
+        wait(caught_up, what="both KV streams replayed")
         clears = lambda: svc.call(lambda s: [d._engine_clears for d in s.drivers.values()])  # noqa
         clears_before = clears()
         long: dict = {}

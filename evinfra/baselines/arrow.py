@@ -181,6 +181,7 @@ class SLOPlanner:
             chosen = Split.of(self.nodes, [n for n in split.prefill if n != moved])
         else:
             return None
+        self.switch_to(chosen, now)
         return Decision(at=now, split=split, chosen=chosen, reason=(
             f"switch {split.label} -> {chosen.label}: predicted TTFT {ttft:.3g} s (SLO "
             f"{c.ttft_slo_s:g}), mean TPOT {tpot * 1e3:.3g} ms (SLO {c.tpot_slo_s * 1e3:g}); "

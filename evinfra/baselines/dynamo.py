@@ -181,6 +181,7 @@ class LoadPlanner(StaticPlanner):
             chosen = Split.of(self.nodes, [n for n in split.prefill if n != moved])
         else:
             return None  # no change, or a change the full budget does not admit
+        self.switch_to(chosen, now)
         return Decision(at=now, split=split, chosen=chosen, reason=(
             f"switch {split.label} -> {chosen.label}: prefill {dp:+d}, decode {dd:+d} "
             f"(Dynamo load planner, {moved} relaunches)"))

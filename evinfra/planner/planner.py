@@ -590,7 +590,9 @@ class SplitPlanner(Protocol):
 
     def decide(self, now: float) -> Decision | None:
         """A decision to publish (and apply, if it chooses a split), or None for a tick
-        with nothing to say."""
+        with nothing to say. A decision that chooses a split has switched to it: ``split``
+        is the chosen one and its moving nodes are ``draining`` (the service applies it to
+        the engines and reports each node's end with :meth:`drained`)."""
 
     def switch_to(self, split: Split, now: float) -> None: ...
 

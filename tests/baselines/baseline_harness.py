@@ -26,14 +26,17 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
+def raw_config(policy: str = "evinfra", nodes: int = 4, prefill: int = 2) -> dict:
+    return {"cluster": {"nodes": [{"name": f"n{i}"} for i in range(nodes)],
+                        "initial_prefill": prefill},
+            "fake": dict(FAST), "planner": {"t_learn": 30.0, "t_win": 60.0, "m": 4,
+                                            "hold_off": 10.0},
+            "policy": {"name": policy},
+            "server": {"first_token_timeout_s": None, "token_timeout_s": None}}
+
+
 def config(policy: str = "evinfra", nodes: int = 4, prefill: int = 2, **over: Any) -> Config:
-    raw = {"cluster": {"nodes": [{"name": f"n{i}"} for i in range(nodes)],
-                       "initial_prefill": prefill},
-           "fake": dict(FAST), "planner": {"t_learn": 30.0, "t_win": 60.0, "m": 4,
-                                           "hold_off": 10.0},
-           "policy": {"name": policy},
-           "server": {"first_token_timeout_s": None, "token_timeout_s": None}}
-    return parse_config(merged(raw, over))
+    return parse_config(merged(raw_config(policy, nodes, prefill), over))
 
 
 class Sink:

@@ -56,7 +56,10 @@ def test_a_predicted_ttft_over_the_slo_moves_a_decode_node_then_waits_the_cooldo
     assert ttft > 6.0 and abs(tpot - 0.02) < 1e-9  # the wait plus a 40K-token full prefill
     d = p.decide(100.0)
     assert d.chosen == Split.of("abcd", "ab")
-    p.switch_to(d.chosen, 100.0)
+    # The decision is the planner's new split; b moves until it is drained.
+    assert p.split == d.chosen and p.draining == {"b"}
+    p.observe_done(done(101.0, 40_000, 0.02))
+    assert p.decide(101.0) is None  # b still moving: no second decision
     p.drained("b", 101.0)
     p.observe_done(done(120.0, 40_000, 0.02))
     p.observe_loads(120.0, waits(p, 6.0))

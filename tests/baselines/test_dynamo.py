@@ -4,11 +4,12 @@ relaunch that takes a switched node out of service and drops its KV (paper A.1, 
 from types import SimpleNamespace
 
 import pytest
-from baseline_harness import Sim, config, tokens
+from baseline_harness import Sim, config, merged, raw_config, tokens
 
+from evinfra.config import parse_config
 from evinfra.baselines.dynamo import KVRouter, KVRouterConfig, LoadPlanner, LoadPlannerConfig
 from evinfra.core.contracts import NodeLoad
-from evinfra.core.events import PhaseSwitched
+from evinfra.core.events import PhaseSwitched, SplitChanged
 from evinfra.planner.planner import Split
 
 PAGE = 64
@@ -52,6 +53,8 @@ def test_thresholds_and_only_opposing_rebalances() -> None:
     assert p.proposal() == (1, -1)
     d = p.decide(0.0)
     assert d.chosen == Split.of("abcd", "abd") and "d relaunches" in d.reason
+    # The decision is the planner's new split, d relaunching until it is drained.
+    assert p.split == d.chosen and p.draining == {"d"} and d.split == Split.of("abcd", "ab")
     # Both pools want more: the full budget admits no change.
     p = planner()
     p.observe_loads(0.0, loads(a=("prefill", 1000, 0, 10), b=("prefill", 0, 0, 10),
@@ -74,12 +77,35 @@ def test_no_decision_while_a_switch_is_in_progress_and_every_interval() -> None:
     assert p.adapts and p.window_end == 5.0  # the first interval gathers metrics
     p.decide(5.0)
     assert p.window_end == 10.0
-    p.switch_to(Split.of("abcd", "abc"), 5.0)
     p.observe_loads(5.0, loads(a=("prefill", 1000, 0, 10), b=("prefill", 0, 0, 10),
-                               c=("prefill", 0, 0, 10), d=("decode", 0, 1, 10)))
-    assert p.decide(10.0) is None  # c still relaunching: observe only
-    p.drained("c", 700.0)
+                               c=("decode", 0, 1, 10), d=("decode", 0, 1, 10)))
+    assert p.decide(10.0).chosen == Split.of("abcd", "abd")
+    # The same loads again (the relaunch has not changed them yet): no second decision.
+    assert p.decide(15.0) is None  # d still relaunching: observe only
+    p.observe_loads(700.0, loads(a=("prefill", 1000, 0, 10), b=("prefill", 0, 0, 10),
+                                 c=("decode", 0, 1, 10), d=("prefill", 0, 0, 10)))
+    p.drained("d", 700.0)
     assert p.decide(705.0) is None  # one decode node left: nothing to give
+
+
+def test_the_load_planner_relaunches_a_node_once_and_the_switch_completes() -> None:
+    """In the service, on its own decisions: a pressure that persists through the relaunch
+    (700-800 s) moves one decode node, once, and the relaunch finishes. (A planner that kept
+    its old split re-decided the same move every interval and restarted the relaunch.)"""
+    pressure = {"prefill_scale_up": 1e-6, "decode_scale_down": 1.0}
+    sim = Sim(parse_config(merged(raw_config("dynamo"), {
+        "fake": {"noise": 0.0}, "policy": {"dynamo_planner": pressure}})))
+    switched, splits = [], []
+    sim.bus.subscribe(PhaseSwitched, switched.append)
+    sim.bus.subscribe(SplitChanged, splits.append)
+    for i in range(400):  # prefill queues throughout; decode KV never near full
+        sim.clock.call_at(3.0 * i, lambda i=i: sim.submit(f"r{i}", tokens(20_000, i),
+                                                          max_tokens=4))
+    sim.run(1200.0)
+    (split,) = splits
+    assert (split.prefill, split.decode) == (["n0", "n1", "n3"], ["n2"])
+    (ev,) = [e for e in switched if e.time > split.time]  # (not the warm-up's end)
+    assert ev.node == "n3" and ev.phase == "prefill" and 666.0 <= ev.time - split.time <= 831.0
 
 
 def test_a_relaunch_takes_the_node_out_of_service_and_drops_its_kv() -> None:

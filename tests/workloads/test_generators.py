@@ -11,6 +11,8 @@ from workload_fakes import INF, EchoBackend, stream
 from evinfra.workloads import (
     CC, Call, Compact, OSWorld, Phase, Putnam, Runner, Spawn, make_workload,
 )
+from evinfra.workloads.cc import COMPACT_AT, WINDOW
+from evinfra.workloads.program import Join
 
 GENERATORS = [Putnam, OSWorld, CC]
 
@@ -122,3 +124,48 @@ def test_cc_reproduces_the_reuse_contrast_of_figure_2c():
     assert after_compaction < 0.7 and after_join - after_compaction > 0.3
     long_waits = [share for wait, share in waits if wait > 300]
     assert len(long_waits) >= 5 and np.mean(long_waits) > 0.9  # recency does not predict reuse
+
+
+def test_cc_session_shape_follows_the_published_counts():
+    """Issue 39's fit (cc.py's sources): user turns per session as TraceLab counts them
+    (median 1, P90 18, at most 137), 40 % of sessions resuming a long conversation (SemiAnalysis's
+    first rows), and the Explore sub-agents of Weka's walkthrough (up to 4 at once on a 10-14K
+    system). The old shape (1-6 turns, no resumes, 3-8K systems, 1-3 sub-agents) fails the
+    assertions below."""
+    cc = CC(seed=0)
+    turns, history, sub_systems, sub_calls, fan_out = [], [], set(), [], []
+    for i in range(1000):  # the turns' tail is heavy: 300 sessions can show a P90 of 9
+        root = cc.agent(i).root
+        history.append(root.task.size)
+        user = spawned = 0
+        for op in root.program:
+            if isinstance(op, Call) and op.tag == "user":
+                user += 1
+            elif isinstance(op, Spawn):
+                spawned += 1
+                sub_systems.add(op.system.size)
+                sub_calls.append(sum(isinstance(x, Call) for x in op.program))
+            elif isinstance(op, Join):
+                fan_out.append(spawned)
+                spawned = 0
+        turns.append(user)
+    t = np.array(turns)
+    assert np.median(t) == 1 and 10 <= np.percentile(t, 90) <= 30 and t.max() <= 137
+    assert 5 <= t.mean() <= 14
+    resumed = np.array(history) > 15_000
+    assert 0.3 <= resumed.mean() <= 0.5 and max(history) <= 150_000 + 3_000 + 4_000
+    assert all(10_000 <= n <= 14_000 for n in sub_systems) and len(sub_systems) == 2
+    assert min(sub_calls) >= 4 and max(sub_calls) <= 26  # 3-25 steps, then the report
+    assert min(fan_out) >= 1 and max(fan_out) == 4
+
+
+def test_cc_compacts_near_the_served_window_and_every_request_fits_it():
+    """Contexts grow past Claude's 167K threshold up to ``COMPACT_AT`` (the served model's
+    window less the largest summary and step overshoot): every compaction request is past
+    it, and no request, with its output, exceeds the window."""
+    _, runner = run(CC(seed=0), agents=60, until=3600.0, keep=False)
+    recs = runner.records
+    compact = [r for r in recs if r.tag == "compact"]
+    assert len(compact) >= 3 and all(r.input_tokens > COMPACT_AT for r in compact)
+    assert max(r.input_tokens + r.max_tokens for r in recs) <= WINDOW
+    assert max(r.input_tokens for r in recs if r.tag != "compact") > 167_000

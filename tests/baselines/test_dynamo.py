@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 from baseline_harness import Sim, config, merged, raw_config, tokens
 
-from evinfra.config import parse_config
 from evinfra.baselines.dynamo import KVRouter, KVRouterConfig, LoadPlanner, LoadPlannerConfig
+from evinfra.config import parse_config
 from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import PhaseSwitched, SplitChanged
 from evinfra.planner.planner import Split

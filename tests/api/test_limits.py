@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 from aiohttp import web
@@ -37,31 +38,33 @@ async def test_tokenize_is_bounded_by_size_and_by_the_context(client):
 
 
 async def test_a_long_tokenize_runs_off_the_event_loop(client, monkeypatch):
-    """A text past 64 KiB is tokenized in a thread: /health answers meanwhile."""
+    """A text past 64 KiB is tokenized in a thread: /health answers while it is blocked.
+
+    The tokenizer waits for /health to have answered; run on the event loop, it would block
+    /health until its wait ran out and report that it was never released."""
     tok = ByteTokenizer()
-    threads = []
+    started, released = threading.Event(), threading.Event()
+    seen: list[tuple[str, bool]] = []
     encode = tok.encode
 
-    def slow(text, **kw):
-        import threading
-        import time
-
-        threads.append(threading.current_thread().name)
-        time.sleep(0.5)
+    def blocking(text, **kw):
+        started.set()
+        seen.append((threading.current_thread().name, released.wait(30)))
         return encode(text, **kw)
 
     app = client.server.app
     routes = [r for r in app.router.routes() if r.resource.canonical == "/tokenize"]
     owner = routes[0].handler.__self__
-    monkeypatch.setattr(owner.tok, "encode", slow)
+    monkeypatch.setattr(owner.tok, "encode", blocking)
     long = asyncio.ensure_future(client.post("/tokenize", data=body(prompt="a" * 100_000)))
-    await asyncio.sleep(0.1)
-    t0 = asyncio.get_running_loop().time()
+    while not started.is_set():
+        await asyncio.sleep(0.01)
     assert (await client.get("/health")).status == 200
-    assert asyncio.get_running_loop().time() - t0 < 0.3
+    released.set()
     r = await long
     assert r.status == 200 and (await r.json())["count"] == 100_000
-    assert threads and threads[0] != "MainThread"
+    (thread, was_released), = seen
+    assert was_released and thread != "MainThread"
 
 
 def test_stored_responses_are_bounded_in_bytes():

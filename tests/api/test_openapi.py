@@ -11,6 +11,7 @@ import threading
 import pytest
 import requests
 import schemathesis
+import schemathesis.specs.openapi.schemas  # noqa: F401  (see below)
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import content_type_conformance, status_code_conformance
@@ -22,6 +23,11 @@ from evinfra.config import parse_config
 from evinfra.control import Service
 from evinfra.core.clock import WallClock
 from tests.api.conftest import BASE, merged
+
+# from_url() imports schemathesis' OpenAPI modules lazily, through pytest's assertion rewriter;
+# on CPython 3.11.7, compiling them inside a test (after hypothesis has moved the recursion
+# limit) can raise "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905).
+# Imported above, they compile at collection instead.
 
 EXAMPLES = 12
 """Generated requests per operation (some 26 operations)."""

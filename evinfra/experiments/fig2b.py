@@ -12,37 +12,26 @@ up to 24 % of throughput in the Putnam and OSWorld periods.
 
 from __future__ import annotations
 
-import msgspec
-
 from evinfra.config import Config
 from evinfra.experiments.common import best_static, sweep
-from evinfra.experiments.fig7 import PERIODS, shift_plan
+from evinfra.experiments.fig7 import PERIODS, shift_plan, windows
 from evinfra.experiments.report import ExperimentReport, Table, steps
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import Scale
 
-__all__ = ["PAPER", "TITLE", "WINDOW", "plans", "report"]
+__all__ = ["PAPER", "TITLE", "plans", "report"]
 
 TITLE = "Figure 2(b): the best split per 10-minute window over a shifting composition"
-WINDOW = 600.0
 PAPER = {"first": 3, "last": 7, "static": 5, "loss": 24.0}
 """Best split of the first and last windows, the best static split (prefill nodes), and its
 largest loss in the Putnam and OSWorld periods (%)."""
 
 
-def _windows(scale: Scale) -> list[tuple[str, float, float]]:
-    """10-minute windows over the three scored periods (at least one per period)."""
-    per = max(1, round(scale.duration / WINDOW))
-    width = scale.duration / per
-    return [(f"{name}-{k}", scale.warmup + (i * per + k) * width,
-             scale.warmup + (i * per + k + 1) * width)
-            for i, (name, _) in enumerate(PERIODS) for k in range(per)]
-
-
 def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
-    windows = _windows(scale)
-    return [msgspec.structs.replace(p, periods=windows) for p in sweep(
-        "shift", config, scale, lambda key, name, cfg: shift_plan(key, name, cfg, scale, seed))]
+    """Fig. 7's static sweep, the same runs: fig7's outcomes copied or linked into OUT/runs/
+    serve here unplayed."""
+    return sweep("shift", config, scale,
+                 lambda key, name, cfg: shift_plan(key, name, cfg, scale, seed))
 
 
 def _prefill(o: RunOutcome) -> int:
@@ -51,10 +40,10 @@ def _prefill(o: RunOutcome) -> int:
 
 def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: int):
     statics = sorted((o for k, o in runs.items() if k.startswith("shift-static-")), key=_prefill)
-    windows = _windows(scale)
+    periods = windows(scale)
     best = best_static(runs, "shift") if statics else None
     rows, line, worst = [], [], {name: 0.0 for name, _ in PERIODS}
-    for name, start, end in windows:
+    for name, start, end in periods:
         through = {_prefill(o): o.periods[name].throughput for o in statics if name in o.periods}
         if not through:
             continue

@@ -26,7 +26,7 @@ from evinfra.experiments.scale import Scale
 from evinfra.sim.harness import RunSpec
 from evinfra.workloads import Phase
 
-__all__ = ["PAPER", "PERIODS", "TITLE", "plans", "report", "shift_plan"]
+__all__ = ["PAPER", "PERIODS", "TITLE", "WINDOW", "plans", "report", "shift_plan", "windows"]
 
 TITLE = "Figure 7: shifting workload composition, evinfra vs Dynamo and the best static split"
 PERIODS = (("putnam", {"putnam": 288}), ("mixed", {"putnam": 144, "osworld": 72}),
@@ -35,15 +35,31 @@ PAPER = {"dynamo": {"throughput": 2.14, "e2e": 2.15, "ttft": 3.58},
          "best static": {"throughput": 1.28, "e2e": 1.33, "ttft": 1.88}}
 
 
+WINDOW = 600.0
+"""Fig. 2(b)'s window (s) over the same shift."""
+
+
+def windows(scale: Scale) -> list[tuple[str, float, float]]:
+    """Fig. 2(b)'s 10-minute windows over the three scored periods (at least one per period),
+    named ``PERIOD-k``."""
+    per = max(1, round(scale.duration / WINDOW))
+    width = scale.duration / per
+    return [(f"{name}-{k}", scale.warmup + (i * per + k) * width,
+             scale.warmup + (i * per + k + 1) * width)
+            for i, (name, _) in enumerate(PERIODS) for k in range(per)]
+
+
 def shift_plan(key: str, name: str, config: Config, scale: Scale, seed: int) -> RunPlan:
-    """One run of the shift: the warm-up and three scored periods of ``PERIODS``."""
+    """One run of the shift: the warm-up and three scored periods of ``PERIODS``, each also
+    summarised per :func:`windows` so that one static sweep serves fig. 7 and fig. 2(b)."""
     d, w = scale.duration, scale.warmup
     counts = [{k: scale.count(v) for k, v in agents.items()} for _, agents in PERIODS]
     schedule = [Phase(w + d, counts[0]), Phase(d, counts[1]), Phase(d, counts[2])]
     periods = [(name_, w + i * d, w + (i + 1) * d) for i, (name_, _) in enumerate(PERIODS)]
     spec = RunSpec(duration=3 * d, warmup=w, schedule=schedule, label=key)
     return RunPlan(key=key, system=name, config=scale.configure(config),
-                   workloads=["osworld", "putnam"], seed=seed, spec=spec, periods=periods)
+                   workloads=["osworld", "putnam"], seed=seed, spec=spec,
+                   periods=periods + windows(scale))
 
 
 def plans(config: Config, scale: Scale, seed: int, latency_rule: bool = False

@@ -251,13 +251,18 @@ def test_fig2b_finds_the_best_split_of_each_window_and_the_static_splits_loss(te
     """Made-up sweep outcomes whose best split moves 2P -> 4P -> 6P over the three periods;
     4P is best over the whole run and loses in the first and last (a control: a flat sweep
     loses nothing)."""
-    from evinfra.experiments.fig2b import _windows
+    from evinfra.experiments.fig7 import windows as shift_windows
 
     config = load_config("etc/cluster.toml")
     plans = EXPERIMENTS["fig2b"].plans(config, QUICK, 1)
-    windows = _windows(QUICK)
+    windows = shift_windows(QUICK)
     assert [p.key for p in plans] == ["shift-static-2P", "shift-static-4P", "shift-static-6P"]
-    assert all(p.periods == windows for p in plans) and len(windows) == 3
+    assert all(p.periods[3:] == windows for p in plans) and len(windows) == 3
+    # fig. 7's static runs are these runs (an OUT shared by both plays them once); a control:
+    # another seed's are not.
+    fig7 = {p.key: p.digest for p in EXPERIMENTS["fig7"].plans(config, QUICK, 1)}
+    assert all(fig7[p.key] == p.digest for p in plans)
+    assert all(p.digest not in fig7.values() for p in EXPERIMENTS["fig2b"].plans(config, QUICK, 2))
 
     def outcomes(best_of):
         out = {}

@@ -66,10 +66,12 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     load in every slice. While the current split keeps up so, a throughput candidate
     predicted slower by more than the margin is set aside (Θ differs below capacity while the
     throughput served does not; taking it would undo the latency rule's switches), and so is
-    any candidate predicted not to keep up with the previous window's load (hysteresis). When
-    the current split is predicted not to keep up over the window (its mean load is at least
-    its capacity), the nearest candidate predicted to keep up takes its place without the
-    2σ/√m test (queues grow; :func:`_to_stable`)."""
+    any candidate predicted not to keep up with the previous window's load (hysteresis). No
+    latency gain takes a candidate that Θ predicts to serve less by the margin and the 2σ/√m
+    test (the estimate holds the rate, Θ the decode population, which is what a closed loop
+    holds). When the current split is predicted not to keep up over the window (its mean load
+    is at least its capacity), the nearest candidate predicted to keep up takes its place
+    without the 2σ/√m test (queues grow; :func:`_to_stable`)."""
     latency_min_gain: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
     """A latency switch also needs a mean gain of at least this share of the current split's
     predicted mean E2E: the model's own error, not only the slices' noise, must be beaten, so
@@ -406,9 +408,15 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                f"{threshold[best]:.4g}, m = {m}){set_aside}")
         reason = f"keep {split.label}: {why}"
         if lat is not None and headroom is not None:
+            # Θ (Eq. 5) holds the decode population at the measured q̄, the estimate holds
+            # the rate; in a closed loop the population is what stays, and a candidate that
+            # Θ predicts to serve less (past the margin and the 2σ/√m test) serves less,
+            # however fast its fixed-rate decode looks: no latency switch goes there.
+            theta_now = float(theta[:, current - 1].mean())
+            serves_less = (mean < -threshold) & (-mean > latency_min_gain * theta_now)
             candidates, chosen, latency_why = _by_latency(
                 candidates, lat, current, headroom, latency_min_gain, names, ordered, split,
-                float(theta[:, current - 1].mean()), meets)
+                theta_now, meets, serves_less)
             e2e_now = lat.e2e[:, current - 1].tolist()
             if chosen is None:
                 reason += f"; {latency_why}"
@@ -436,13 +444,15 @@ def _behind(ranked: _Arrays, recent: Sequence[SliceWork], sources: Sequence[floa
 def _by_latency(candidates: list[Candidate], lat: Latency, current: int,
                 headroom: np.ndarray, min_gain: float, names: list[NodeId],
                 ordered: list[NodeId], split: Split, theta_now: float,
-                meets: np.ndarray | None = None) -> tuple[list[Candidate], Split | None, str]:
+                meets: np.ndarray | None = None, serves_less: np.ndarray | None = None
+                ) -> tuple[list[Candidate], Split | None, str]:
     """The latency rule of :class:`PlannerConfig` on the estimate ``lat`` (slices ×
     candidates): the candidates with their latency figures, the choice, and why.
     ``theta_now``: the current split's mean Θ. ``headroom[p − 1]``: the candidate keeps up
     with every slice's rate plus the margin, so a switch for latency never trades away the
     throughput served. ``meets[p − 1]``: the candidate meets the TTFT/TPOT targets (None: no
-    targets)."""
+    targets). ``serves_less[p − 1]``: Θ predicts the candidate serves significantly less; a
+    latency gain does not take it (None: none does)."""
     e2e = lat.e2e
     m = e2e.shape[0]
     now = e2e[:, current - 1]
@@ -463,11 +473,15 @@ def _by_latency(candidates: list[Candidate], lat: Latency, current: int,
     ok = finite & (g_mean > g_threshold) & (g_mean > floor) & headroom
     ok[current - 1] = False
     targets = ""
+    if serves_less is not None and (ok & serves_less).any():
+        targets = ("; set aside, Eq. 5 predicts they serve less: "
+                   + ", ".join(f"{j + 1}P" for j in np.flatnonzero(ok & serves_less)))
+        ok &= ~serves_less
     if meets is not None and (meets[current - 1] or (ok & meets).any()):
         missed = ok & ~meets
         ok &= meets
         if missed.any():
-            targets = ("; set aside, predicted to miss the TTFT/TPOT targets"
+            targets += ("; set aside, predicted to miss the TTFT/TPOT targets"
                        + (f" {split.label} meets" if meets[current - 1] else "") + ": "
                        + ", ".join(f"{j + 1}P" for j in np.flatnonzero(missed)))
     out = [msgspec.structs.replace(c, e2e=e2e[:, c.prefill - 1].tolist(),

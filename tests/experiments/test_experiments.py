@@ -258,7 +258,7 @@ def test_fig2b_finds_the_best_split_of_each_window_and_the_static_splits_loss(te
     windows = shift_windows(QUICK)
     assert [p.key for p in plans] == ["shift-static-2P", "shift-static-4P", "shift-static-6P"]
     assert all(p.periods[3:] == windows for p in plans) and len(windows) == 3
-    # fig. 7's static runs are these runs (an OUT shared by both plays them once); a control:
+    # fig. 7's static runs are these runs (its saved outcomes serve fig2b); a control:
     # another seed's are not.
     fig7 = {p.key: p.digest for p in EXPERIMENTS["fig7"].plans(config, QUICK, 1)}
     assert all(fig7[p.key] == p.digest for p in plans)

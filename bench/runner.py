@@ -6,8 +6,8 @@ nothing but answer.
 The simulator's bar is 1,000 simulated requests per second all-in (issue 6), so the
 workload side (the runner and ``cc``'s program generator) may take only a fraction of a
 millisecond per request; bar here: >= 1,000 requests per CPU second for the runner alone
-(4,500-6,500 measured on the 2-core dev box with the fitted ``cc``: 154-223 µs per request). CPU time, not wall: other
-processes sharing the machine do not count against it.
+(4,500-6,500 measured on the 2-core dev box with the fitted ``cc``: 154-223 µs a request).
+CPU time, not wall: other processes sharing the machine do not count against it.
 """
 
 from __future__ import annotations

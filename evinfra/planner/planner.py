@@ -408,10 +408,8 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
                f"{threshold[best]:.4g}, m = {m}){set_aside}")
         reason = f"keep {split.label}: {why}"
         if lat is not None and headroom is not None:
-            # Θ (Eq. 5) holds the decode population at the measured q̄, the estimate holds
-            # the rate; in a closed loop the population is what stays, and a candidate that
-            # Θ predicts to serve less (past the margin and the 2σ/√m test) serves less,
-            # however fast its fixed-rate decode looks: no latency switch goes there.
+            # Where Θ predicts a significant loss, the models disagree and the split holds
+            # (PlannerConfig.objective says why).
             theta_now = float(theta[:, current - 1].mean())
             serves_less = (mean < -threshold) & (-mean > latency_min_gain * theta_now)
             candidates, chosen, latency_why = _by_latency(
@@ -472,18 +470,18 @@ def _by_latency(candidates: list[Candidate], lat: Latency, current: int,
     floor = min_gain * float(now.mean())
     ok = finite & (g_mean > g_threshold) & (g_mean > floor) & headroom
     ok[current - 1] = False
-    targets = ""
+    aside = ""  # why qualified candidates were set aside
     if serves_less is not None and (ok & serves_less).any():
-        targets = ("; set aside, Eq. 5 predicts they serve less: "
-                   + ", ".join(f"{j + 1}P" for j in np.flatnonzero(ok & serves_less)))
+        aside = ("; set aside, Eq. 5 predicts they serve less: "
+                 + ", ".join(f"{j + 1}P" for j in np.flatnonzero(ok & serves_less)))
         ok &= ~serves_less
     if meets is not None and (meets[current - 1] or (ok & meets).any()):
         missed = ok & ~meets
         ok &= meets
         if missed.any():
-            targets += ("; set aside, predicted to miss the TTFT/TPOT targets"
-                       + (f" {split.label} meets" if meets[current - 1] else "") + ": "
-                       + ", ".join(f"{j + 1}P" for j in np.flatnonzero(missed)))
+            aside += ("; set aside, predicted to miss the TTFT/TPOT targets"
+                      + (f" {split.label} meets" if meets[current - 1] else "") + ": "
+                      + ", ".join(f"{j + 1}P" for j in np.flatnonzero(missed)))
     out = [msgspec.structs.replace(c, e2e=e2e[:, c.prefill - 1].tolist(),
                                    e2e_gain=float(g_mean[c.prefill - 1]),
                                    e2e_threshold=float(g_threshold[c.prefill - 1]),
@@ -493,12 +491,12 @@ def _by_latency(candidates: list[Candidate], lat: Latency, current: int,
                f"{best + 1}P, gain {g_mean[best]:.4g} s vs 2σ/√m = {g_threshold[best]:.4g} s "
                f"and {100 * min_gain:g} % = {floor:.4g} s")
     if not ok.any():
-        return out, None, f"no latency gain qualifies ({figures}){targets}"
+        return out, None, f"no latency gain qualifies ({figures}){aside}"
     best = int(np.argmax(np.where(ok, g_mean, -np.inf)))
     figures = (f"predicted mean E2E {now.mean():.4g} s -> {e2e[:, best].mean():.4g} s, gain "
                f"{g_mean[best]:.4g} s > 2σ/√m = {g_threshold[best]:.4g} s and > "
                f"{100 * min_gain:g} % = {floor:.4g} s, keeping up with {100 * min_gain:g} % "
-               f"more load in every slice{targets}")
+               f"more load in every slice{aside}")
     return out, Split.of(names, ordered[:best + 1]), figures
 
 

@@ -245,6 +245,20 @@ def test_calibration_plays_only_baselines_and_scores_each_figure_against_the_pap
     rows = {r[1]: r for r in report.tables[0].rows}
     assert rows["best static split of SGLang PD, cc 90 (prefill nodes)"][4] == pytest.approx(50.0)
     assert rows["best static split of SGLang PD, cc 90 (prefill nodes)"][5] == "no"
+    # Table D.1: the sweep's best static throughput against SGLang's 8.81 / 0.98 req/s
+    # (Putnam) from the sweep's best run; unplayed without the sweep.
+    d1 = "best static split's throughput, putnam 224 (req/s)"
+    assert rows[d1][2] == pytest.approx(8.99, abs=0.01) and rows[d1][3] is None
+    paper = 8.81 / 0.98
+    for factor in (1.0, 0.5):  # the second is the control: a slower sweep, another error
+        runs = {k: msgspec.structs.replace(o, summary=msgspec.structs.replace(
+                    o.summary, throughput=factor * o.summary.throughput))
+                for k, o in swept([p for p in plans if p.key.startswith("putnam-224-")],
+                                  template, 2).items()}
+        report, _ = EXPERIMENTS["calibration"].report(runs, QUICK, "etc/cluster.toml", 1)
+        row = {r[1]: r for r in report.tables[0].rows}[d1]
+        assert row[3] == 10.0 * factor
+        assert row[4] == pytest.approx(100 * abs(10.0 * factor - paper) / paper)
 
 
 def test_fig2b_finds_the_best_split_of_each_window_and_the_static_splits_loss(template):

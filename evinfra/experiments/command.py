@@ -3,7 +3,8 @@ tables and plots.
 
 Each run's outcome is saved in ``OUT/runs/KEY.json`` as it finishes, with the digest of its
 plan; a later invocation with the same plans reuses them, so a long experiment can be played
-in parts (``--only 'cc-*'``) and resumed after an interruption."""
+in parts (``--only 'cc-*'``) and resumed after an interruption. The digest names the plan,
+not the code that plays it: after changing a generator or an engine, play into a new OUT."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="play the runs as Ray tasks (a local Ray without ADDRESS; the "
                         "evinfra[ray] extra) instead of --jobs processes")
     e.add_argument("--only", metavar="GLOB",
-                   help="play only the runs whose key matches (the others come from earlier "
-                        "outcomes in OUT/runs/, or are left out of the tables)")
+                   help="play only the runs whose key matches and have no saved outcome of "
+                        "the same plan (the others come from earlier outcomes in OUT/runs/, "
+                        "or are left out of the tables)")
     e.add_argument("--latency-rule", action="store_true",
                    help="also play evinfra with planner.objective = \"latency\" beside the "
                         "paper's rule (issue 43; fig6, fig7)")

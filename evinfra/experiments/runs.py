@@ -50,7 +50,8 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def digest(self) -> str:
-        """Names everything the run depends on: an outcome with this digest is this run's.
+        """Names everything in the plan the run depends on (not the code that plays it): an
+        outcome with this digest is this plan's.
         Fields at their defaults are left out, so a config that gains a field whose default
         keeps the old behaviour keeps the digests of the outcomes saved before it."""
         return hashlib.sha256(msgspec.msgpack.encode(_set(self))).hexdigest()[:16]

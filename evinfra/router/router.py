@@ -519,13 +519,20 @@ class Router:
 
     def _fetch_plan(self, r: Routing, n: _Node, p: Prediction, match: PrefixMatch
                     ) -> list[FetchRun]:
-        """Blocks ``own..t_c`` of the path, in runs from one peer each.
+        """Blocks ``own..t_c`` of the path, in runs from one peer each, after a run that
+        backs ``n``'s own prefix.
 
         Greedy: the peer whose own prefix reaches furthest serves the run up to there (its
         prefix is contiguous, so no per-block check); a block past every peer's prefix (a
         hole in the holders' chains) is served block by block from whoever holds it, and
-        one only ``n`` holds (past a hole in its own chain) is not fetched."""
-        if not p.x:
+        one only ``n`` holds (past a hole in its own chain) is not fetched.
+
+        The backing run names that same peer for ``n``'s own blocks: a request may wait
+        long enough for ``n`` to evict them (a long queue at a node whose cache cannot hold
+        its agents' contexts), and the engine pulls only the blocks it lacks when the fetch
+        starts (the patched SGLang engine skips held pages too), so a copy lost while
+        queued is fetched, not recomputed."""
+        if not self.pool:
             return []
         page = self.directory.page_size
         hashes = r.path.hashes
@@ -537,6 +544,10 @@ class Router:
         far = reach.index(max(reach))
         runs: list[FetchRun] = []
         pos, end = p.own // page, p.t_c // page
+        if reach[far] > 0 and pos > 0:
+            runs.append(FetchRun(directory.nodes[far], 0, hashes[:min(reach[far], pos)]))
+        if not p.x:
+            return runs
         while pos < end:
             if reach[far] > pos:
                 best, stop = far, min(reach[far], end)

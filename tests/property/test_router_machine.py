@@ -254,11 +254,21 @@ class RouterMachine(RuleBasedStateMachine):
             f.l1 = {n: m.own_l1[self.router.directory.index(n)] for n in NODES}
         else:
             f.l1 = {}
-        # The fetch plan: blocks own..t_c of the path, in order, each from a peer that
-        # holds it; a block left out is one the node holds itself.
+        # The fetch plan: a run backing the node's own prefix, from the peer that holds the
+        # longest prefix (when one holds any of it), then blocks own..t_c of the path, in
+        # order, each from a peer that holds it; a block left out is one the node holds
+        # itself.
         d, hashes = self.router.directory, got.path.hashes
         me, pos = d.index(got.node), p.own // PAGE
-        for run in got.fetch + [None]:
+        fetch = list(got.fetch)
+        m = d.match(hashes)
+        reach = max(m.own[i] for i in range(len(m.own)) if i != me) if len(m.own) > 1 else 0
+        if pos and reach:
+            back = fetch.pop(0)
+            assert back.start == 0 and back.peer != got.node, (back, got)
+            assert m.own[d.index(back.peer)] == reach, (back, m)
+            assert back.blocks == hashes[:min(reach, pos)], (back, got)
+        for run in fetch + [None]:
             start = (p.t_c // PAGE if p.x else pos) if run is None else run.start
             assert start >= pos and all(d.holds(h, me) for h in hashes[pos:start]), (p, got)
             assert p.x or run is None, (p, got)  # nothing to fetch: no runs

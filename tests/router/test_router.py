@@ -70,7 +70,8 @@ def test_fetch_plan_skips_blocks_past_a_hole_the_chosen_node_holds_itself() -> N
     """P1 holds blocks 0-9 and 11-29 (a hole at 10), P2 blocks 0-10: P2's queue sends the
     request to P1, which fetches block 10 from P2 and nothing it holds itself (the plan
     once asked a peer for block 11 on, which only P1 holds, and the route raised
-    StopIteration after it had queued the request)."""
+    StopIteration after it had queued the request), after a run from P2 that backs P1's own
+    blocks 0-9 should P1 evict them while the request waits."""
     r = make({"P1": Phase.PREFILL, "P2": Phase.PREFILL, "D1": Phase.DECODE})
     tokens = rng.integers(0, 50_000, size=30 * PAGE + 100, dtype=np.uint32)
     path = r.directory.branches.hasher.hash(tokens).hashes
@@ -79,7 +80,8 @@ def test_fetch_plan_skips_blocks_past_a_hole_the_chosen_node_holds_itself() -> N
     load(r, "P2", 200)
     route = r.route(req("q1", tokens), now=0.0)
     assert route.node == "P1" and route.prediction.t_c == 30 * PAGE
-    assert [(f.peer, f.start, f.blocks) for f in route.fetch] == [("P2", 10, path[10:11])]
+    assert [(f.peer, f.start, f.blocks) for f in route.fetch] == [("P2", 0, path[:10]),
+                                                                  ("P2", 10, path[10:11])]
 
 
 def test_idle_prefix_holder_keeps_the_request() -> None:

@@ -95,6 +95,7 @@ class FakeEngine(PrefillSide, DecodeSide):
         self._last_state = float("-inf")
         self._prefills: dict[RequestId, PrefillRecord] = {}
         self._queue: dict[RequestId, PrefillRecord] = {}
+        self._ahead = 0  # tokens of peer KV fetched or fetching for queued requests
         self._chunked: PrefillRecord | None = None
         self._inflight: list[tuple[PrefillRecord, PrefillItem]] = []
         self._handoff: dict[RequestId, PrefillRecord] = {}
@@ -198,6 +199,7 @@ class FakeEngine(PrefillSide, DecodeSide):
             self._out.append(RequestFailed(request, self.node, now, error, started))
         for table in (self._prefills, self._queue, self._handoff, self._decodes):
             table.clear()
+        self._ahead = 0
         for queue in (self._prealloc, self._room_wait, self._ready, self._running,
                       self._inflight):
             queue.clear()

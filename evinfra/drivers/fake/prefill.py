@@ -42,14 +42,44 @@ class PrefillSide:
         if rec.n_in == 0:
             self._out.append(RequestFailed(rec.request, self.node, now, "empty prompt", False))
             return
-        if rec.fetch and mode == "queued":
-            tokens = sum(len(run.blocks) for run in order.fetch) * page
-            delay = self.config.fetch_latency + tokens * self.config.fetch_s_per_token
-            rec.fetching, rec.fetch_s = True, delay
-            rec.timer = self._at(now + delay, self._fetch_done, rec)
+        rec.fetching = rec.fetch and mode == "queued"
         self._prefills[rec.request] = self._queue[rec.request] = rec
+        if rec.fetching:
+            self._start_fetches(now)
         self._dirty |= rec.ready
         self._kick()
+
+    def _start_fetches(self, now: float) -> None:
+        """Start queued requests' fetches in queue order while the KV their plans cover fits
+        in the ``fetch_ahead`` share of L1 (the first always starts). A fetch pulls only the
+        blocks the node lacks when it starts: its own copies, which the plan's first run
+        backs, may have been evicted while the request waited."""
+        page, budget = self.config.page_size, self.config.fetch_ahead * self.cache.l1_capacity
+        for rec in self._queue.values():
+            if not rec.fetching or rec.timer is not None:
+                continue
+            tokens = max(run.start + len(run.blocks) for run in rec.order.fetch) * page
+            if self._ahead and self._ahead + tokens > budget:
+                return
+            missing = self._missing(rec) * page
+            delay = (self.config.fetch_latency + missing * self.config.fetch_s_per_token
+                     if missing else 0.0)
+            rec.fetch_s, rec.ahead = delay, tokens
+            self._ahead += tokens
+            rec.timer = self._at(now + delay, self._fetch_done, rec)
+
+    def _missing(self, rec: PrefillRecord) -> int:
+        """Blocks of ``rec``'s fetch plan past the prefix this node holds now."""
+        held, n = self.cache.prefix(rec.path), len(rec.path)
+        return sum(max(0, min(run.start + len(run.blocks), n) - max(run.start, held))
+                   for run in rec.order.fetch)
+
+    def _leave_queue(self, rec: PrefillRecord) -> None:
+        """``rec`` started or left the queue: its fetch no longer counts ahead."""
+        if rec.ahead:
+            self._ahead -= rec.ahead
+            rec.ahead = 0
+            self._start_fetches(self.clock.now())
 
     def _fetch_done(self, rec: PrefillRecord) -> None:
         """The fetch landed while the request waited (paper 4.2, D.6)."""
@@ -157,6 +187,7 @@ class PrefillSide:
         for rec in started:
             del self._queue[rec.request]
             rec.started = True
+            self._leave_queue(rec)
         return chunks
 
     def _launch_prefill(self, chunks: list[tuple[PrefillRecord, PrefillItem]], now: float) -> None:
@@ -226,6 +257,8 @@ class PrefillSide:
         rec.aborted = True
         if rec.timer is not None:
             rec.timer.cancel()
+            rec.timer = None
+        self._leave_queue(rec)
         self.cache.unlock(rec.path, rec.locked, self.clock.now())
         self.cache.release(rec.reserved)
         rec.locked = rec.reserved = 0

@@ -41,7 +41,7 @@ class PrefillRecord:
 
     __slots__ = ("order", "request", "tokens", "path", "n_in", "fetch", "fetching", "awaiting",
                  "started", "aborted", "locked", "reserved", "cached", "fetched", "restored",
-                 "done", "load_s", "fetch_s", "timer")
+                 "done", "load_s", "fetch_s", "ahead", "timer")
 
     def __init__(self, order: PrefillOrder, page: int, fetch: bool, awaiting: bool) -> None:
         self.order = order
@@ -62,6 +62,7 @@ class PrefillRecord:
         self.done = 0  # input tokens whose KV exists
         self.load_s: float | None = None  # a fetch at prefill start: its transfer seconds
         self.fetch_s = 0.0  # seconds the peer fetch took, reported in PrefillDone
+        self.ahead = 0  # tokens its started fetch counts against the engine's fetch_ahead
         self.timer: Timer | None = None
 
     @property

@@ -191,3 +191,62 @@ def test_withdrawing_a_fetching_request_cancels_its_fetch() -> None:
     assert h.one(Withdrawn).request == "r" and len(h.kv("p0")) == n
     assert not h.of(PrefillStarted, request="r")
     h.check()
+
+
+def _seed(h: Harness, node: str, n: int, seed: int) -> list[int]:
+    """Prefill ``n`` tokens on ``node`` so it holds them; return the tokens."""
+    t = tokens(n, seed=seed)
+    h.submit(f"seed-{node}-{seed}", t, prefill=node)
+    h.run(h.clock.now() + 5)
+    return t
+
+
+def _landed(h: Harness, node: str, block: int) -> float:
+    """When ``node`` stored ``block`` in L1 last."""
+    return max(b.batch.ts for b in h.of(NodeKVEvents, node=node) for e in b.batch.events
+               if e.medium == "GPU" and block in getattr(e, "block_hashes", ()))
+
+
+@pytest.mark.parametrize("ahead, staggered", [(0.15, True), (1.0, False)])
+def test_queued_fetches_start_within_the_fetch_ahead_share(ahead, staggered) -> None:
+    """With 100K tokens of L1 and a 15 % share, one 12K-token fetch runs ahead of the
+    queue at a time and the next starts when the request before it starts its prefill; with
+    the whole of L1 (the control) all start at once. Every fetch lands whole."""
+    h = Harness(THREE, l1_tokens=100_000, l2_tokens=400_000, fetch_ahead=ahead)
+    ctx = [_seed(h, "p1", 12_000, seed) for seed in (50, 51, 52)]
+    t0 = h.clock.now()
+    h.submit("long", tokens(60_000, seed=3))
+    k = 12_000 // PAGE
+    for i, c in enumerate(ctx):
+        t = tokens(12_500, base=c)
+        h.submit(f"r{i}", t, fetch=[FetchRun("p1", 0, path(t)[:k])])
+    h.run(t0 + 30)
+    landed = [_landed(h, "p0", path(c)[0]) for c in ctx]
+    assert landed[0] == pytest.approx(t0 + fetch_time(k))
+    for i in (1, 2):
+        started = h.one(PrefillStarted, request=f"r{i - 1}").time
+        assert (landed[i] >= started) is staggered, (landed, started)
+    assert all(h.one(PrefillDone, request=f"r{i}").fetched == k * PAGE for i in range(3))
+    h.check()
+
+
+@pytest.mark.parametrize("backed", [True, False])
+def test_own_blocks_evicted_while_queued_are_fetched_from_the_backing_peer(backed) -> None:
+    """p0 and p1 both hold context C; r (C plus 500 tokens) queues on p0 behind a request
+    whose fetch fills the fetch-ahead share and a long prefill whose pages evict C from
+    p0's small cache. The plan's backing run names p1 for C: when r's turn to fetch comes
+    p0 lacks C and pulls it. Without the run (the control) r recomputes C."""
+    h = Harness(THREE, l1_tokens=60_000, l2_tokens=60_000, fetch_ahead=0.2)
+    c = _seed(h, "p1", 12_000, 60)
+    h.submit("own", c, prefill="p0")
+    h.run(h.clock.now() + 5)
+    d = _seed(h, "p1", 12_000, 61)
+    k = 12_000 // PAGE
+    h.submit("long", tokens(50_000, seed=3))
+    h.submit("mid", tokens(12_500, base=d), fetch=[FetchRun("p1", 0, path(d)[:k])])
+    t = tokens(12_500, base=c)
+    h.submit("r", t, fetch=[FetchRun("p1", 0, path(t)[:k])] if backed else [])
+    h.run(h.clock.now() + 30)
+    done = h.one(PrefillDone, request="r")
+    assert (done.cached, done.fetched) == ((k * PAGE, k * PAGE) if backed else (0, 0)), done
+    h.check()

@@ -117,14 +117,17 @@ def test_an_engine_with_nothing_to_serve_is_not_idle_in_table_d5s_sense() -> Non
     assert prefill_idle([log], 0.0, 10.0).idle_share == 0.0
 
 
-def test_upstream_loads_back_the_nodes_own_host_copies_too() -> None:
+@pytest.mark.parametrize("backed", [False, True])
+def test_upstream_loads_back_the_nodes_own_host_copies_too(backed) -> None:
     """D.6: a prefill node that reads KV from host memory loads it back into GPU memory;
     upstream SGLang (``prefill_start``) waits ``load_back_s`` for its own host copies as for
-    fetched ones; the queued data plane pays only Eq. 1's restore cost c3."""
+    fetched ones; the queued data plane pays only Eq. 1's restore cost c3. The same when the
+    router's plan backs the node's own prefix with a peer that has none of it (``backed``):
+    the copies come from the node's own host memory all the same."""
     def first_chunk_of_the_return(mode: str) -> tuple[float, int]:
         clock, bus = VirtualClock(), Bus()
         cfg = FakeEngineConfig(peer_fetch=mode, l1_tokens=40_000)
-        cluster = FakeCluster([("p0", Phase.PREFILL)], cfg, clock, bus)
+        cluster = FakeCluster([("p0", Phase.PREFILL), ("p1", Phase.PREFILL)], cfg, clock, bus)
         cluster.record_prefill()
         cluster.start()
         rng, s = np.random.default_rng(2), Sampling(max_tokens=1)
@@ -135,7 +138,9 @@ def test_upstream_loads_back_the_nodes_own_host_copies_too() -> None:
             clock.run(until=at)  # b evicts a from GPU memory; a2 finds it in host memory
             if i:
                 engine.release_source(f"r{i - 1}")  # no decode side: hand the KV back
-            engine.submit_prefill(PrefillOrder(f"r{i}", toks, block_hashes(toks, PAGE), [], s))
+            path = block_hashes(toks, PAGE)
+            fetch = [FetchRun("p1", 0, path[:500])] if backed and i == 2 else []
+            engine.submit_prefill(PrefillOrder(f"r{i}", toks, path, fetch, s))
         clock.run(until=30.0)
         last = engine.prefill_log[-1]
         return last.load, len(engine.prefill_log)

@@ -89,20 +89,22 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Phase switch once the running requests finish (paper 3, Fig. 3a: 0.7 s)."""
     peer_fetch: Literal["queued", "prefill_start", "none"] = "queued"
     """When the node pulls the peers' KV of an order's fetch plan. ``queued``: while the
-    request waits, as soon as ``fetch_ahead`` allows (paper 4.2). ``prefill_start``: when its prefill starts, the
-    load adding to that iteration (HiCache loads fetched KV into GPU memory only then, paper
-    2.2 "Memory pools", A.2, D.6; the Dynamo "+ memory pool" baseline of 3.3).
-    ``none``: never; host memory is private (HiCache without a storage tier, A.2)."""
+    request waits, as soon as ``fetch_ahead`` allows (paper 4.2). ``prefill_start``: when
+    its prefill starts, the load adding to that iteration (HiCache loads fetched KV into GPU
+    memory only then, paper 2.2 "Memory pools", A.2, D.6; the Dynamo "+ memory pool"
+    baseline of 3.3). ``none``: never; host memory is private (HiCache without a storage tier, A.2)."""
     fetch_ahead: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.25
     """With ``peer_fetch = "queued"``: the peer KV that queued requests may have fetched (or
     have in flight) before their prefill starts, as a share of L1. Fetches start in queue
     order while that KV stays within it (the first queued request's always starts), and
-    each one that starts a prefill makes room for the next. A fetch landed long before its
-    prefill pins nothing (queued requests hold no pins, so a long queue cannot starve
-    admission), so fetching a whole long queue at once lets later fetches evict earlier ones
-    before they are used: one prefill node behind 224 Putnam agents then recomputed 98 % of
-    the reuse. Any share of L1 well above one fetch's prefill time keeps the fetches hidden
-    behind the queue (paper 4.2: the whole fetch completes while the request waits)."""
+    each one that starts a prefill makes room for the next. Queued requests pin nothing (a
+    long queue must not starve admission), so what a fetch brings, and the node's own copies
+    it checks when it starts (the plan's backing run), must be close to their use: fetching
+    a whole long queue at once lets later fetches evict earlier ones, and checks the own
+    copies before the wait that evicts them (one prefill node behind 224 Putnam agents
+    recomputed 98 % of the reuse). A share of L1 worth several prefills keeps the fetches
+    hidden behind the queue (paper 4.2: the whole fetch completes while the request
+    waits)."""
     decode_prealloc: bool = False
     """SGLang PD (paper D.1, A.1): a decode node reserves GPU memory for a request's KV
     when its order arrives, before the prefill, and holds it while the request waits in

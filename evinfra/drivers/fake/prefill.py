@@ -144,10 +144,10 @@ class PrefillSide:
             return "fail"
         if need > c.kv_room or not c.make_room(need):
             return "wait"
-        restored = c.insert(path, rec.locked, rec.tokens, now).restored
-        rec.restored += restored
-        if restored and rec.load_s is None and self.config.peer_fetch == "prefill_start":
-            rec.load_s = 0.0  # own host copies: loaded back too, no network transfer
+        rec.restored += c.insert(path, rec.locked, rec.tokens, now).restored
+        # Own host copies, restored here or by the pull above: loaded back too, no transfer.
+        if rec.restored and rec.load_s is None and self.config.peer_fetch == "prefill_start":
+            rec.load_s = 0.0
         c.reserve(compute)
         rec.reserved = compute
         # At least one input token is computed (its logits give the first output token).

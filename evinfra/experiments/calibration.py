@@ -123,17 +123,15 @@ def _row(figure: str, quantity: str, paper: float, ours: float | None, constrain
 
 def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: int):
     rows = []
-    for w, n in SWEEPS:
-        swept = [k for k in runs if k.startswith(f"{w}-{n}-static-")]
-        ours = None
-        if swept:
-            ours = float(best_static(runs, f"{w}-{n}").key.rsplit("-", 1)[1].rstrip("P"))
-        rows.append(_row("Fig. 2a / D.1", f"best static split of SGLang PD, {w} {n} "
-                         "(prefill nodes)", PAPER_BEST[w], ours,
-                         "engine prefill/decode speed ratio; uncached input and output per "
-                         f"request of {w}"))
     bests = {f"{w}-{n}": best_static(runs, f"{w}-{n}") for w, n in SWEEPS
              if any(k.startswith(f"{w}-{n}-static-") for k in runs)}
+    for w, n in SWEEPS:
+        best = bests.get(f"{w}-{n}")
+        rows.append(_row("Fig. 2a / D.1", f"best static split of SGLang PD, {w} {n} "
+                         "(prefill nodes)", PAPER_BEST[w],
+                         float(best.key.rsplit("-", 1)[1].rstrip("P")) if best else None,
+                         "engine prefill/decode speed ratio; uncached input and output per "
+                         f"request of {w}"))
     cc = bests.get("cc-90")
     rows.append(_row("Fig. 3b", "best static split's throughput, CC 90 (req/s)", 4.9,
                      cc.summary.throughput if cc else None,

@@ -532,9 +532,10 @@ class Router:
         its agents' contexts), and the engine pulls only the blocks it lacks when the fetch
         starts (the patched SGLang engine skips held pages too), so a copy lost while
         queued is fetched, not recomputed."""
-        if not self.pool:
-            return []
         page = self.directory.page_size
+        pos, end = p.own // page, p.t_c // page
+        if not self.pool or not (p.x or pos):
+            return []
         hashes = r.path.hashes
         directory = self.directory
         # The peer whose own prefix reaches furthest (the first on ties): C loops over the
@@ -543,7 +544,6 @@ class Router:
         reach[n.idx] = -1
         far = reach.index(max(reach))
         runs: list[FetchRun] = []
-        pos, end = p.own // page, p.t_c // page
         if reach[far] > 0 and pos > 0:
             runs.append(FetchRun(directory.nodes[far], 0, hashes[:min(reach[far], pos)]))
         if not p.x:

@@ -98,10 +98,10 @@ def test_a_prompt_larger_than_gpu_memory_fails_before_starting() -> None:
 # -- peer fetches (paper 4.2, D.6) ---------------------------------------------------------
 
 
-def _seed_peer(h: Harness, n: int) -> list[int]:
-    """Prefill ``n`` tokens on p1 so its host memory holds them; return the tokens."""
-    t = tokens(n, seed=42)
-    h.submit("seed", t, prefill="p1")
+def _seed_peer(h: Harness, n: int, seed: int = 42, node: str = "p1") -> list[int]:
+    """Prefill ``n`` tokens on ``node`` so its host memory holds them; return the tokens."""
+    t = tokens(n, seed=seed)
+    h.submit(f"seed-{node}-{seed}", t, prefill=node)
     h.run(h.clock.now() + 5)
     return t
 
@@ -193,14 +193,6 @@ def test_withdrawing_a_fetching_request_cancels_its_fetch() -> None:
     h.check()
 
 
-def _seed(h: Harness, node: str, n: int, seed: int) -> list[int]:
-    """Prefill ``n`` tokens on ``node`` so it holds them; return the tokens."""
-    t = tokens(n, seed=seed)
-    h.submit(f"seed-{node}-{seed}", t, prefill=node)
-    h.run(h.clock.now() + 5)
-    return t
-
-
 def _landed(h: Harness, node: str, block: int) -> float:
     """When ``node`` stored ``block`` in L1 last."""
     return max(b.batch.ts for b in h.of(NodeKVEvents, node=node) for e in b.batch.events
@@ -213,7 +205,7 @@ def test_queued_fetches_start_within_the_fetch_ahead_share(ahead, staggered) -> 
     queue at a time and the next starts when the request before it starts its prefill; with
     the whole of L1 (the control) all start at once. Every fetch lands whole."""
     h = Harness(THREE, l1_tokens=100_000, l2_tokens=400_000, fetch_ahead=ahead)
-    ctx = [_seed(h, "p1", 12_000, seed) for seed in (50, 51, 52)]
+    ctx = [_seed_peer(h, 12_000, seed) for seed in (50, 51, 52)]
     t0 = h.clock.now()
     h.submit("long", tokens(60_000, seed=3))
     k = 12_000 // PAGE
@@ -237,10 +229,9 @@ def test_own_blocks_evicted_while_queued_are_fetched_from_the_backing_peer(backe
     p0's small cache. The plan's backing run names p1 for C: when r's turn to fetch comes
     p0 lacks C and pulls it. Without the run (the control) r recomputes C."""
     h = Harness(THREE, l1_tokens=60_000, l2_tokens=60_000, fetch_ahead=0.2)
-    c = _seed(h, "p1", 12_000, 60)
-    h.submit("own", c, prefill="p0")
-    h.run(h.clock.now() + 5)
-    d = _seed(h, "p1", 12_000, 61)
+    c = _seed_peer(h, 12_000, 60)
+    _seed_peer(h, 12_000, 60, node="p0")
+    d = _seed_peer(h, 12_000, 61)
     k = 12_000 // PAGE
     h.submit("long", tokens(50_000, seed=3))
     h.submit("mid", tokens(12_500, base=d), fetch=[FetchRun("p1", 0, path(d)[:k])])

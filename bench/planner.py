@@ -41,7 +41,7 @@ def cluster(n: int, seed: int) -> tuple[list[NodeModel], Split, list[SliceWork]]
         slices.append(SliceWork(start=60.0 * i, length=60.0, requests=200, t_uc=float(t_uc.mean()),
                                 A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
                                 t_out=float(rng.uniform(700, 1100)), t_acc=1.8,
-                                q=float(18 * n * rng.uniform(0.9, 1.1))))
+                                q=(q := float(18 * n * rng.uniform(0.9, 1.1))), n=q + 2 * n))
     names = [x.node for x in models]
     return models, Split.of(names, names[: n // 3]), slices
 

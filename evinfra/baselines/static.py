@@ -52,7 +52,7 @@ class StaticPlanner:
     def observe_request(self, now: float, t_uc: float, t_c: float, t_out: float) -> None:
         pass
 
-    def observe_decode(self, now: float, q: float) -> None:
+    def observe_population(self, now: float, q: float, n: float) -> None:
         pass
 
     def observe_state(self, state: NodeState) -> None:

@@ -105,6 +105,7 @@ class Lifecycle:
         f.answer = guess.answer
         self.counters.submitted += 1
         self.ledger.add(f)
+        self._population_changed()
         if isinstance(decision, Held):
             self.ledger.hold(f)
         else:
@@ -169,7 +170,8 @@ class Lifecycle:
         if f.timer is not None:
             f.timer.cancel()
         if f.admitted:
-            self._set_decoding(self._decoding - 1)
+            self._decoding -= 1
+        self._population_changed()
         self.router.finished(f.id, now)
         c = self.counters
         if status == "ok":
@@ -201,9 +203,10 @@ class Lifecycle:
         self.branches.end(branch)
         self.engines.flush_hints()
 
-    def _set_decoding(self, q: int) -> None:
-        self._decoding = q
-        self.planner.observe_decode(self.clock.now(), q)
+    def _population_changed(self) -> None:
+        """Tell the planner the requests in decode and in flight (queued ones, held ones
+        and those in prefill count: they are decode work the cluster holds)."""
+        self.planner.observe_population(self.clock.now(), self._decoding, len(self.ledger))
 
     # -- timeouts --------------------------------------------------------------------------
 
@@ -281,7 +284,8 @@ class Lifecycle:
             if f.timer is not None:  # the token limit counts from here, not from arrival
                 f.timer.cancel()
                 self._arm_timer(f)
-            self._set_decoding(self._decoding + 1)
+            self._decoding += 1
+            self._population_changed()
             self.engines.flush_hints()
             self.switching.check_drains()
         f.out += len(ev.tokens)

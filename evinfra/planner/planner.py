@@ -68,7 +68,7 @@ class PlannerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     throughput served does not; taking it would undo the latency rule's switches), and so is
     any candidate predicted not to keep up with the previous window's load (hysteresis). No
     latency gain takes a candidate that Θ predicts to serve less by the margin and the 2σ/√m
-    test (the estimate holds the rate, Θ the decode population, which is what a closed loop
+    test (the estimate holds the rate, Θ the requests in flight, which is what a closed loop
     holds). When the current split is predicted not to keep up over the window (its mean load
     is at least its capacity), the nearest candidate predicted to keep up takes its place
     without the 2σ/√m test (queues grow; :func:`_to_stable`)."""
@@ -186,11 +186,22 @@ class _Arrays:
 
 
 def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
-    """Θ(π[:p], π[p:]; w̄_i, q̄_i) of Eq. 5 for p = 1..N−1, shape (m, N−1), with
+    """Θ(π[:p], π[p:]; w̄_i, n̄_i) of Eq. 5 for p = 1..N−1, shape (m, N−1), with
     ``nodes`` in the order π.
 
+    The decode side is evaluated at ``B = n̄/|D|``, with n̄ the requests in flight (waiting
+    for or in prefill, or in decode), where Eq. 5 takes the requests in decode, q̄. The
+    paper's q̄ is what the current split lets into decode: on a prefill-bound split it is
+    what the prefill side feeds, q̄ = λ·T_D^req(q̄/|D|) by Little's law, so the current
+    decode side equals the rate served λ, every candidate with a decode node fewer gets
+    less than λ (T_D^iter grows with B), and no move toward prefill can ever qualify. The
+    requests queued for prefill are decode work the cluster already holds: a split that
+    prefills them sooner decodes them too. n̄ is that population, so the decode side is
+    again what the decode nodes can complete with the requests at hand; where decode binds,
+    few requests wait for prefill and n̄ is q̄ plus those in prefill service.
+
     The prefill side is a prefix sum of the μ_P matrix (m × N, computed once). The decode side
-    is not a suffix sum of one matrix: B = q̄/|D| changes with p, so every node's μ_D is
+    is not a suffix sum of one matrix: B = n̄/|D| changes with p, so every node's μ_D is
     evaluated at the B of each candidate it decodes in, O(N·m) per candidate. A candidate
     gets that only where the decode side may be the smaller one: by the AM-HM inequality
     Σ_{k∈D} 1/T_k ≥ |D|² / Σ_{k∈D} T_k, whose right side costs O(1) per (slice, candidate)
@@ -201,7 +212,7 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     mu_p = 1.0 / nodes.t_p_req(w["t_uc"], w["A"], w["t_c"])
     prefill = np.cumsum(mu_p, axis=1)[:, :-1]
     size = n - np.arange(1, n)  # |D| of each candidate
-    B = w["q"][:, None] / size  # noqa: N806
+    B = w["n"][:, None] / size  # noqa: N806
     f = phi(B, nodes.k_over_e, nodes.t_fwd)
     # Eq. 4: μ_D,n = B·t_acc / (T_D,n^iter(B)·t_out); no requests in decode -> 0.
     scale = np.where(B > 0, B / w["n_iter"][:, None], 0.0)
@@ -250,7 +261,7 @@ def _order(nodes: _Arrays, names: Sequence[NodeId], split: Split,
     """π (module docstring): indices into ``names``."""
     weight = w["requests"] / w["requests"].sum()
     t_uc, A, t_c, n_iter = (weight @ w[k] for k in ("t_uc", "A", "t_c", "n_iter"))  # noqa: N806
-    B = w["q"].mean() / len(split.decode)  # noqa: N806
+    B = w["n"].mean() / len(split.decode)  # noqa: N806
     # μ_P,n / μ_D,n up to the factor n_iter/B that every node shares.
     advantage = nodes.t_d_iter(B) / nodes.t_p_req(t_uc, A, t_c)
     rank = np.empty(len(names), dtype=np.intp)
@@ -267,7 +278,7 @@ def _order(nodes: _Arrays, names: Sequence[NodeId], split: Split,
 def _work(slices: Sequence[SliceWork]) -> dict[str, np.ndarray]:
     """The usable slices' work as columns: what Eq. 3-5 and the latency estimate take."""
     w = {k: np.array([getattr(s, k) for s in slices])
-         for k in ("requests", "t_uc", "A", "t_c", "q", "length", "t_acc")}
+         for k in ("requests", "t_uc", "A", "t_c", "n", "length", "t_acc")}
     w["n_iter"] = np.array([s.t_out / s.t_acc for s in slices])
     return w
 
@@ -360,8 +371,9 @@ def plan(models: Sequence[NodeModel], split: Split, slices: Sequence[SliceWork],
         if ttft_target is not None or tpot_target is not None:
             meets = ((lat.ttft <= (np.inf if ttft_target is None else ttft_target))
                      & (lat.tpot <= (np.inf if tpot_target is None else tpot_target))).all(axis=0)
-        # Below capacity Θ of Eq. 5 is no capacity (its decode side is the rate served at
-        # the measured q): what counts is keeping up with the margin more load.
+        # Below capacity Θ of Eq. 5 is no capacity (with nothing queued for prefill its
+        # decode side is about the rate served): what counts is keeping up with the margin
+        # more load.
         headroom = (lat.capacity >= 1.0 + latency_min_gain).all(axis=0)
         if headroom[current - 1]:
             # The current split keeps up: a Θ "gain" that costs predicted latency is that
@@ -587,7 +599,8 @@ class SplitPlanner(Protocol):
 
     def observe_request(self, now: float, t_uc: float, t_c: float, t_out: float) -> None: ...
 
-    def observe_decode(self, now: float, q: float) -> None: ...
+    def observe_population(self, now: float, q: float, n: float) -> None:
+        """Cluster-wide, ``q`` requests are in decode and ``n`` in flight (``q`` among them)."""
 
     def observe_state(self, state: NodeState) -> None: ...
 
@@ -649,7 +662,7 @@ class Planner:
         """The active sources of each slice of the window last closed (the latency rule's
         finite source, :class:`~evinfra.planner.latency.Sources`; None: none seen)."""
         self._last_switch = -math.inf
-        self._q = 0.0
+        self._population = (0.0, 0.0)  # (q, n): requests in decode, in flight
         self._out: list[NodeId] = []  # nodes out of service (down or cordoned), by name
 
     # -- observations ----------------------------------------------------------------------
@@ -674,11 +687,11 @@ class Planner:
         if self._window is not None:
             self._window.add_request(now, t_uc, t_c, t_out)
 
-    def observe_decode(self, now: float, q: float) -> None:
-        """The number of requests in decode, cluster-wide, became ``q``."""
-        self._q = q
+    def observe_population(self, now: float, q: float, n: float) -> None:
+        """Cluster-wide, ``q`` requests are in decode and ``n`` in flight (``q`` among them)."""
+        self._population = (q, n)
         if self._window is not None:
-            self._window.set_q(now, q)
+            self._window.set_population(now, q, n)
 
     def observe_state(self, state: NodeState) -> None:
         """Node reports: the window measures work from requests and iterations instead."""
@@ -788,7 +801,7 @@ class Planner:
         return slices
 
     def _open(self, start: float) -> None:
-        self._window = Window(start, self.config.t_win, self.config.m, self._q)
+        self._window = Window(start, self.config.t_win, self.config.m, *self._population)
         self._sources = Sources(start, self._window.end, self.config.m)
 
     def _close(self) -> list[SliceWork]:

@@ -2,9 +2,10 @@
 
 A window of length ``T_win`` is cut into ``m`` equal slices. Per slice it keeps the sums
 behind w̄_i (finished requests' ``t_uc``, ``A``, ``t_c``, ``t_out``; decode iterations'
-accepted tokens for ``t_acc``) and the time integral of ``q``, the number of requests in
-decode, for q̄_i. Per node it keeps the prefill iterations behind t̄_n and f_n. Memory is
-O(m + nodes): nothing per request survives its ``add_request``.
+accepted tokens for ``t_acc``) and the time integrals of two levels: ``q``, the number of
+requests in decode, for q̄_i, and ``n``, the number of requests in flight, for n̄_i. Per
+node it keeps the prefill iterations behind t̄_n and f_n. Memory is O(m + nodes): nothing
+per request survives its ``add_request``.
 
 Why means of terms: Eq. 3 is linear in ``(t_uc, A, t_c)`` and Eq. 4 in ``t_out`` for a slice's
 ``t_acc``, so Θ evaluated on these means is the inverse of the exact mean occupancy of the
@@ -25,9 +26,10 @@ __all__ = ["SliceWork", "Window"]
 
 
 class SliceWork(msgspec.Struct, frozen=True, kw_only=True):
-    """w̄_i and q̄_i of one slice: the means of its finished requests' work terms and the
-    time-weighted mean number of requests in decode. Without finished requests (or any decode
-    iteration in the window, for t_acc) the slice has no w̄ and is not ``usable``."""
+    """w̄_i, q̄_i and n̄_i of one slice: the means of its finished requests' work terms and the
+    time-weighted mean numbers of requests in decode and in flight. Without finished requests
+    (or any decode iteration in the window, for t_acc) the slice has no w̄ and is not
+    ``usable``."""
 
     start: float
     length: float
@@ -42,6 +44,10 @@ class SliceWork(msgspec.Struct, frozen=True, kw_only=True):
     """Output tokens per request per decode iteration, from the slice's decode iterations (the
     window's when the slice had none)."""
     q: float
+    n: float
+    """Requests in flight: waiting for or in prefill (queued, fetching, handed over) or in
+    decode, ``≥ q``. Θ's decode side is evaluated at this population (:func:`~evinfra.planner
+    .planner.plan` says why)."""
 
     @property
     def usable(self) -> bool:
@@ -51,24 +57,25 @@ class SliceWork(msgspec.Struct, frozen=True, kw_only=True):
 class Window:
     """Observations of one window ``[start, start + length)``; outside it they are ignored.
 
-    ``q`` is the number of requests in decode at ``start`` (it is a level, not an event, so
-    it carries over from the previous window and the hold-off).
+    ``q`` and ``n`` are the numbers of requests in decode and in flight at ``start`` (levels,
+    not events, so they carry over from the previous window and the hold-off).
     """
 
-    def __init__(self, start: float, length: float, m: int, q: float) -> None:
+    def __init__(self, start: float, length: float, m: int, q: float, n: float) -> None:
         self.start = start
         self.end = start + length
         self.m = m
         self._dt = length / m
         # Per slice: finished requests and their Σt_uc, ΣA, Σt_c, Σt_out; decode iterations'
-        # accepted tokens and request-iterations (Σ batch); ∫q dt. Lists: one slice is updated
-        # per observation, where numpy's per-call cost would dominate.
+        # accepted tokens and request-iterations (Σ batch); ∫q dt and ∫n dt. Lists: one slice
+        # is updated per observation, where numpy's per-call cost would dominate.
         self._work = [[0.0] * 5 for _ in range(m)]
         self._accepted = [0.0] * m
         self._fed = [0.0] * m
         self._q_area = [0.0] * m
-        self._q = q
-        self._q_at = start
+        self._n_area = [0.0] * m
+        self._q, self._n = q, n
+        self._level_at = start
         self.mix: dict[NodeId, PrefillMix] = {}
 
     def _slice(self, now: float) -> int | None:
@@ -97,31 +104,33 @@ class Window:
         if self._slice(now) is not None:
             self.mix.setdefault(node, PrefillMix()).add(items)
 
-    def set_q(self, now: float, q: float) -> None:
-        """The number of requests in decode became ``q`` at ``now``."""
+    def set_population(self, now: float, q: float, n: float) -> None:
+        """The numbers of requests in decode and in flight became ``q`` and ``n`` at ``now``."""
         self._integrate(min(now, self.end))
-        self._q = q
+        self._q, self._n = q, n
 
     def _integrate(self, until: float) -> None:
-        t = self._q_at
+        t = self._level_at
         i = self._slice(t)
         while t < until:
             seg = min(until, self.start + (i + 1) * self._dt if i < self.m - 1 else self.end)
             self._q_area[i] += self._q * (seg - t)
+            self._n_area[i] += self._n * (seg - t)
             t, i = seg, i + 1
-        self._q_at = max(self._q_at, until)
+        self._level_at = max(self._level_at, until)
 
     def close(self) -> list[SliceWork]:
-        """w̄_i and q̄_i of every slice, integrating q up to the window end."""
+        """w̄_i, q̄_i and n̄_i of every slice, integrating q and n up to the window end."""
         self._integrate(self.end)
         fed = sum(self._fed)
         pooled = sum(self._accepted) / fed if fed else 0.0
         out = []
-        for i, (n, t_uc, A, t_c, t_out) in enumerate(self._work):  # noqa: N806
-            per = 1.0 / n if n else 0.0
+        for i, (count, t_uc, A, t_c, t_out) in enumerate(self._work):  # noqa: N806
+            per = 1.0 / count if count else 0.0
             out.append(SliceWork(
-                start=self.start + i * self._dt, length=self._dt, requests=int(n), t_uc=t_uc * per, A=A * per,
-                t_c=t_c * per, t_out=t_out * per, q=self._q_area[i] / self._dt,
+                start=self.start + i * self._dt, length=self._dt, requests=int(count),
+                t_uc=t_uc * per, A=A * per, t_c=t_c * per, t_out=t_out * per,
+                q=self._q_area[i] / self._dt, n=self._n_area[i] / self._dt,
                 t_acc=self._accepted[i] / self._fed[i] if self._fed[i] else pooled))
         return out
 

@@ -23,18 +23,20 @@ def homogeneous(n: int) -> list[NodeModel]:
 
 
 def slice_of(requests: list[tuple[float, float, float]], q: float, start: float = 0.0,
-             t_acc: float = 1.8) -> SliceWork:
-    """w̄ and q̄ of a slice whose finished requests are ``[(t_uc, t_c, t_out), ...]``."""
+             t_acc: float = 1.8, waiting: float = 0.0) -> SliceWork:
+    """w̄, q̄ and n̄ of a slice whose finished requests are ``[(t_uc, t_c, t_out), ...]``,
+    with ``waiting`` requests waiting for or in prefill."""
     t_uc, t_c, t_out = np.array(requests, dtype=float).T
     return SliceWork(start=start, length=60.0, requests=len(requests), t_uc=float(t_uc.mean()),
                      A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
-                     t_out=float(t_out.mean()), t_acc=t_acc, q=float(q))
+                     t_out=float(t_out.mean()), t_acc=t_acc, q=float(q), n=float(q + waiting))
 
 
 def theta(models: list[NodeModel], prefill: set[str], s: SliceWork) -> float:
-    """Eq. 5 by the book, one node at a time (the reference for the vectorized planner)."""
+    """Eq. 5 one node at a time, the decode side at the requests in flight (the reference for
+    the vectorized planner)."""
     decode = [x for x in models if x.node not in prefill]
-    B = s.q / len(decode)  # noqa: N806
+    B = s.n / len(decode)  # noqa: N806
     mu_p = sum(x.mu_p(s.t_uc, s.t_c, A=s.A) for x in models if x.node in prefill)
     return min(mu_p, sum(x.mu_d(s.t_out, s.t_acc, B) for x in decode))
 
@@ -135,9 +137,47 @@ def test_a_one_slice_burst_that_pulls_the_mean_up_does_not_qualify():
     assert d.chosen is None and "no candidate's mean gain exceeds 2σ/√m" in d.reason
 
 
+def prefill_bound(waiting: float, seed: int = 0) -> tuple[list[NodeModel], Split, list[SliceWork]]:
+    """Nine nodes at 1P8D serving screenshot-sized prefills (OSWorld, 6.1) as fast as the
+    one prefill node completes them, with ``waiting`` requests queued for it: the decode
+    population is only what that node feeds, q̄ = λ·(t_out/t_acc)·T_D^iter(q̄/8) (Little's
+    law: the rate times a request's time in decode)."""
+    rng = np.random.default_rng(seed)
+    models = homogeneous(9)
+    names = [x.node for x in models]
+    split = Split.of(names, ["n0"])
+    slices = []
+    for i in range(10):
+        t_uc, t_c, t_out = 2e4 * rng.uniform(0.9, 1.1), 6e4 * rng.uniform(0.9, 1.1), 300.0
+        rate = float(models[0].mu_p(t_uc, t_c))
+        q = 1.0
+        for _ in range(100):
+            q = rate * t_out / 1.8 * float(models[0].t_d_iter(q / 8))
+        slices.append(slice_of([(t_uc, t_c, t_out)] * round(rate * 60), q, 60.0 * i,
+                               waiting=waiting * rng.uniform(0.9, 1.1)))
+    return models, split, slices
+
+
+def test_a_prefill_bound_split_moves_toward_prefill():
+    """Θ's decode side at the requests in flight, not in decode (planner README: where we
+    depart from Eq. 5): with 60 requests waiting for the one prefill node the planner adds
+    prefill nodes. The control is the paper's q̄ (nothing counted as waiting): there the
+    current decode side is the rate served, every move toward prefill loses, and 1P8D holds
+    for ever; the old code planned on q̄ and held it."""
+    models, split, slices = prefill_bound(waiting=60)
+    d = plan(models, split, slices, at=600.0)
+    assert d.chosen is not None and len(d.chosen.prefill) >= 2, d.reason
+    models, split, slices = prefill_bound(waiting=0)
+    paper = plan(models, split, slices, at=600.0)
+    assert paper.chosen is None
+    assert all(c.mean < 0 for c in paper.candidates), [c.mean for c in paper.candidates]
+    assert paper.theta == pytest.approx([s.requests / s.length for s in slices], rel=0.02)
+
+
 def test_slices_without_finished_requests_are_left_out():
     names = [f"n{i}" for i in range(3)]
-    empty = SliceWork(start=0.0, length=60.0, requests=0, t_uc=0, A=0, t_c=0, t_out=0, t_acc=1.8, q=5)
+    empty = SliceWork(start=0.0, length=60.0, requests=0, t_uc=0, A=0, t_c=0, t_out=0, t_acc=1.8, q=5,
+                      n=5)
     work = slice_of([(4000, 30_000, 1000)], 100)
     d = plan(homogeneous(3), Split.of(names, ["n0"]), [work, empty, work], at=0.0)
     assert all(len(c.gains) == 2 for c in d.candidates)

@@ -192,9 +192,10 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     The decode side is evaluated at ``B = n̄/|D|``, with n̄ the requests in flight (waiting
     for or in prefill, or in decode), where Eq. 5 takes the requests in decode, q̄. The
     paper's q̄ is what the current split lets into decode: on a prefill-bound split it is
-    what the prefill side feeds, q̄ = λ·T_D^req(q̄/|D|) by Little's law, so the current
-    decode side equals the rate served λ, every candidate with a decode node fewer gets
-    less than λ (T_D^iter grows with B), and no move toward prefill can ever qualify. The
+    what the prefill side feeds, q̄ = λ·(t_out/t_acc)·T_D^iter(q̄/|D|) by Little's law, so
+    the current decode side, Σ_D μ_D,n = q̄·t_acc/(t_out·T_D^iter(q̄/|D|)), is the rate
+    served λ, every candidate with a decode node fewer gets less than λ (T_D^iter grows
+    with B), and no move toward prefill can ever qualify. The
     requests queued for prefill are decode work the cluster already holds: a split that
     prefills them sooner decodes them too. n̄ is that population, so the decode side is
     again what the decode nodes can complete with the requests at hand; where decode binds,

@@ -7,7 +7,7 @@ Prints, for N = 9, 64 and 768 nodes and m = 10 slices, the time of one full deci
 2σ/√m test, the Decision object) and of the same algorithm written as loops over candidates,
 slices and nodes with the NodeModel methods, the speed-up as a ratio, and whether both chose
 the same split. Nodes are heterogeneous (coefficients ±10 % around the GB300/GLM-5.2 shape),
-so every node's μ_D is evaluated at every candidate's B = q̄/|D|: O(N·m) per candidate
+so every node's μ_D is evaluated at every candidate's B = n̄/|D|: O(N·m) per candidate
 where an AM-HM bound does not show the prefill side to be the smaller.
 Goal (issue 3): < 10 ms at 768 nodes.
 """
@@ -38,10 +38,10 @@ def cluster(n: int, seed: int) -> tuple[list[NodeModel], Split, list[SliceWork]]
     slices = []
     for i in range(M):
         t_uc, t_c = rng.uniform(2e3, 1.2e4, 200), rng.uniform(2e4, 1.2e5, 200)
+        q = float(18 * n * rng.uniform(0.9, 1.1))  # in decode; 2 per node wait for prefill
         slices.append(SliceWork(start=60.0 * i, length=60.0, requests=200, t_uc=float(t_uc.mean()),
                                 A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
-                                t_out=float(rng.uniform(700, 1100)), t_acc=1.8,
-                                q=(q := float(18 * n * rng.uniform(0.9, 1.1))), n=q + 2 * n))
+                                t_out=float(rng.uniform(700, 1100)), t_acc=1.8, q=q, n=q + 2 * n))
     names = [x.node for x in models]
     return models, Split.of(names, names[: n // 3]), slices
 
@@ -54,13 +54,13 @@ def straightforward(models: list[NodeModel], split: Split, slices: list[SliceWor
     total = sum(s.requests for s in used)
     t_uc, A, t_c = (sum(s.requests * getattr(s, k) for s in used) / total  # noqa: N806
                     for k in ("t_uc", "A", "t_c"))
-    B = statistics.fmean(s.q for s in used) / len(split.decode)  # noqa: N806
+    B = statistics.fmean(s.n for s in used) / len(split.decode)  # noqa: N806
     advantage = {x.node: x.t_d_iter(B) / x.t_p_req(t_uc, t_c, A=A) for x in models}
     order = (sorted(sorted(split.prefill, reverse=True), key=lambda x: -advantage[x])
              + sorted(sorted(split.decode), key=lambda x: -advantage[x]))
 
     def theta(p: int, s: SliceWork) -> float:
-        B = s.q / (n - p)  # noqa: N806
+        B = s.n / (n - p)  # noqa: N806
         mu_p = sum(by_name[x].mu_p(s.t_uc, s.t_c, A=s.A) for x in order[:p])
         mu_d = sum(by_name[x].mu_d(s.t_out, s.t_acc, B) for x in order[p:])
         return min(mu_p, mu_d)

@@ -111,15 +111,14 @@ class Synth:
 
 @dataclass
 class Workload:
-    """Per-request work drawn uniformly from these ranges, the requests in decode and those
-    waiting for or in prefill."""
+    """Per-request work drawn uniformly from these ranges, and the requests in decode (none
+    wait for prefill: in flight are those in decode)."""
 
     rate: float
     t_uc: tuple[float, float]
     t_c: tuple[float, float]
     t_out: tuple[float, float]
     q: float
-    waiting: float = 0.0
 
 
 PUTNAM = Workload(rate=2.0, t_uc=(1e3, 3e3), t_c=(1e4, 6e4), t_out=(2e3, 6e3), q=200)
@@ -160,7 +159,7 @@ class Cluster:
             spawned = (bursts or {}).get(i, 0)
             for t, extra in ((t0, spawned), (t0 + dt / 2, 0)):
                 q = wl.q * rng.uniform(0.95, 1.05) + extra
-                p.observe_population(t, q, q + wl.waiting)
+                p.observe_population(t, q, q)
             for _ in range(rng.poisson(wl.rate * dt)):
                 p.observe_request(t0 + rng.uniform(0, dt), rng.uniform(*wl.t_uc),
                                   rng.uniform(*wl.t_c), rng.uniform(*wl.t_out))

@@ -44,10 +44,11 @@ def theta(models: list[NodeModel], prefill: set[str], s: SliceWork) -> float:
 def random_slices(rng: np.random.Generator, m: int = 10) -> list[SliceWork]:
     """A window of one workload (drawn at random) with slice-to-slice noise."""
     t_uc, t_c, t_out = rng.uniform(500, 20_000), rng.uniform(0, 150_000), rng.uniform(100, 4000)
-    q = rng.uniform(10, 400)
+    q, waiting = rng.uniform(10, 400), rng.uniform(0, 100)
     return [slice_of([(t_uc * rng.uniform(0.3, 1.7), t_c * rng.uniform(0.5, 1.5),
                        t_out * rng.uniform(0.5, 1.5)) for _ in range(30)],
-                     q * rng.uniform(0.9, 1.1), 60.0 * i) for i in range(m)]
+                     q * rng.uniform(0.9, 1.1), 60.0 * i,
+                     waiting=waiting * rng.uniform(0.9, 1.1)) for i in range(m)]
 
 
 # -- Θ, candidates and the choice (pure) -----------------------------------------------------

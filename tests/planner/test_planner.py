@@ -177,8 +177,8 @@ def test_a_prefill_bound_split_moves_toward_prefill():
 
 def test_slices_without_finished_requests_are_left_out():
     names = [f"n{i}" for i in range(3)]
-    empty = SliceWork(start=0.0, length=60.0, requests=0, t_uc=0, A=0, t_c=0, t_out=0, t_acc=1.8, q=5,
-                      n=5)
+    empty = SliceWork(start=0.0, length=60.0, requests=0, t_uc=0, A=0, t_c=0, t_out=0,
+                      t_acc=1.8, q=5, n=5)
     work = slice_of([(4000, 30_000, 1000)], 100)
     d = plan(homogeneous(3), Split.of(names, ["n0"]), [work, empty, work], at=0.0)
     assert all(len(c.gains) == 2 for c in d.candidates)

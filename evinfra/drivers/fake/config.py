@@ -92,7 +92,8 @@ class FakeEngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request waits, as soon as ``fetch_ahead`` allows (paper 4.2). ``prefill_start``: when
     its prefill starts, the load adding to that iteration (HiCache loads fetched KV into GPU
     memory only then, paper 2.2 "Memory pools", A.2, D.6; the Dynamo "+ memory pool"
-    baseline of 3.3). ``none``: never; host memory is private (HiCache without a storage tier, A.2)."""
+    baseline of 3.3). ``none``: never; host memory is private (HiCache without a storage
+    tier, A.2)."""
     fetch_ahead: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.25
     """With ``peer_fetch = "queued"``: the peer KV that queued requests may have fetched (or
     have in flight) before their prefill starts, as a share of L1. Fetches start in queue

@@ -5,14 +5,18 @@ from __future__ import annotations
 import msgspec
 
 from evinfra.config import Config
+from evinfra.drivers.fake.models import serving
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.scale import FULL, Scale
 from evinfra.sim.harness import RunSpec
 from evinfra.sim.sweep import fixed_split
 from evinfra.workloads import Phase
 
-__all__ = ["best_prefill", "best_static", "closed", "label", "latency_rule", "rate_factor",
-           "system", "sweep"]
+__all__ = ["MODEL", "best_prefill", "best_static", "closed", "label", "latency_rule",
+           "rate_factor", "served", "system", "sweep"]
+
+MODEL = {"putnam": "glm-5.2", "cc": "glm-5.2", "osworld": "kimi-k2.6"}
+"""The model the paper serves each workload with (6.1)."""
 
 
 def system(config: Config, policy: str, *, prefill: int | None = None, fixed: bool = False,
@@ -40,6 +44,14 @@ def rate_factor(scale: Scale) -> float:
     return scale.agents * (FULL.warmup + FULL.duration) / (scale.warmup + scale.duration)
 
 
+def served(config: Config, workloads: list[str]) -> Config:
+    """``config`` with its fake engines serving the paper's model for ``workloads``: Kimi
+    K2.6 when OSWorld's agents are among them (6.1: "Kimi K2.6 for OSWorld and for the run
+    with a shifting workload composition"), GLM-5.2 otherwise."""
+    model = "kimi-k2.6" if any(MODEL.get(w) == "kimi-k2.6" for w in workloads) else "glm-5.2"
+    return msgspec.structs.replace(config, fake=serving(config.fake, model))
+
+
 def label(config: Config, prefill: int) -> str:
     n = len(config.cluster.nodes)
     return f"{prefill}P{n - prefill}D"
@@ -52,7 +64,7 @@ def closed(key: str, name: str, config: Config, scale: Scale, seed: int,
     end = scale.warmup + duration
     spec = RunSpec(duration=duration, warmup=scale.warmup, schedule=[Phase(end, dict(agents))],
                    label=key)
-    return RunPlan(key=key, system=name, config=scale.configure(config),
+    return RunPlan(key=key, system=name, config=served(scale.configure(config), list(agents)),
                    workloads=sorted(agents), seed=seed, spec=spec)
 
 

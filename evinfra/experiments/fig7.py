@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from evinfra.config import Config
-from evinfra.experiments.common import best_static, latency_rule, system, sweep
+from evinfra.experiments.common import best_static, latency_rule, served, system, sweep
 from evinfra.experiments.latency import BUDGET, BUDGET_COLUMNS, budget
 from evinfra.experiments.report import (METRICS, RATIOS, ExperimentReport, Table, metrics_row,
                                         ratio_row, steps)
@@ -57,8 +57,9 @@ def shift_plan(key: str, name: str, config: Config, scale: Scale, seed: int) -> 
     schedule = [Phase(w + d, counts[0]), Phase(d, counts[1]), Phase(d, counts[2])]
     periods = [(name_, w + i * d, w + (i + 1) * d) for i, (name_, _) in enumerate(PERIODS)]
     spec = RunSpec(duration=3 * d, warmup=w, schedule=schedule, label=key)
-    return RunPlan(key=key, system=name, config=scale.configure(config),
-                   workloads=["osworld", "putnam"], seed=seed, spec=spec,
+    workloads = ["osworld", "putnam"]
+    return RunPlan(key=key, system=name, config=served(scale.configure(config), workloads),
+                   workloads=workloads, seed=seed, spec=spec,
                    periods=periods + windows(scale))
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from evinfra.config import Config
 from evinfra.core.events import RequestDone
 from evinfra.control import Service
-from evinfra.experiments.common import closed, label, rate_factor, system
+from evinfra.experiments.common import closed, label, rate_factor, served, system
 from evinfra.experiments.report import Cell, ExperimentReport, Table
 from evinfra.experiments.runs import RunOutcome, RunPlan
 from evinfra.experiments.runs import execute as execute_run
@@ -248,8 +248,8 @@ def plans(config: Config, scale: Scale, seed: int) -> list[RunPlan]:
             spec = RunSpec(duration=scale.duration, warmup=scale.warmup, arrivals=arrivals,
                            max_active=scale.count(CAP), label=key)
             out.append(RunPlan(key=key, system=f"fixed {label(config, p)}",
-                               config=scale.configure(cfg), workloads=[w], seed=seed,
-                               spec=spec))
+                               config=served(scale.configure(cfg), [w]), workloads=[w],
+                               seed=seed, spec=spec))
     return out
 
 

@@ -103,7 +103,8 @@ def markdown(report: ExperimentReport, wall: float | None, plots: Sequence[str])
     lines = [f"# {report.title}", "", f"- {report.scale}",
              f"- config `{report.config}`, seed {report.seed}, {len(report.runs)} runs"]
     if report.engine:
-        lines.append("- fake engines: " + ", ".join(f"{k} {v:g}"
+        lines.append("- fake engines (GLM-5.2's; runs with OSWorld serve Kimi K2.6, "
+                     "drivers/fake/models.py): " + ", ".join(f"{k} {v:g}"
                                                     for k, v in report.engine.items()))
     if wall is not None:
         lines.append(f"- wall time {wall:.0f} s")

@@ -337,3 +337,30 @@ def test_a_field_added_at_its_default_keeps_the_saved_digests() -> None:
         plan.config, planner=msgspec.structs.replace(plan.config.planner,
                                                      ttft_target_s=5.0)))
     assert same.digest == plan.digest != moved.digest
+
+
+def test_osworld_and_the_shift_run_serve_kimi_k26_the_others_glm52() -> None:
+    """Paper 6.1: K2.6 for OSWorld and the shifting run; its prefill and KV differ from
+    GLM-5.2's (drivers/fake/models.py), the decode and memory do not."""
+    config = load_config("etc/cluster.toml")
+    glm = config.fake
+    plans = (EXPERIMENTS["tableD1"].plans(config, QUICK, 1)
+             + EXPERIMENTS["fig7"].plans(config, QUICK, 1))
+    for p in plans:
+        fake = p.config.fake
+        if "osworld" in p.workloads:
+            assert fake.c2 == pytest.approx(4 * glm.c2) and fake.c1 == pytest.approx(0.8 * glm.c1)
+            assert fake.fetch_s_per_token == pytest.approx(glm.fetch_s_per_token * 35.136 / 54.6)
+        else:
+            assert fake == glm
+        assert (fake.d0, fake.d1, fake.d2, fake.l1_tokens) == (glm.d0, glm.d1, glm.d2,
+                                                                glm.l1_tokens)
+    assert {p.workloads[0] for p in plans} == {"cc", "putnam", "osworld"}
+    assert any(p.workloads == ["osworld", "putnam"] for p in plans)
+
+
+def test_an_unknown_model_is_refused_by_name() -> None:
+    from evinfra.drivers.fake.models import serving
+
+    with pytest.raises(ValueError, match="unknown model 'gpt'.*kimi-k2.6"):
+        serving(load_config("etc/cluster.toml").fake, "gpt")

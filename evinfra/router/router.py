@@ -522,17 +522,19 @@ class Router:
         """Blocks ``own..t_c`` of the path, in runs from one peer each, after a run that
         backs ``n``'s own prefix.
 
-        Greedy: the peer of ``n``'s phase whose own prefix reaches furthest serves the run
-        up to there, then the peer of any phase that reaches furthest (their prefixes are
+        Greedy: a peer of ``n``'s phase on which the branch counts blocks (the node its last
+        prefill ran on: the source of its move, E.2 line 11) serves the run its own prefix
+        reaches, then the peer of any phase that reaches furthest (their prefixes are
         contiguous, so no per-block check); a block past every peer's prefix (a hole in the
         holders' chains) is served block by block from whoever holds it, and one only ``n``
-        holds (past a hole in its own chain) is not fetched. A same-phase peer first because
-        that is the source of a branch's move (E.2 line 11), while a decode node keeps a count
-        for every branch it decoded (line 12): at a split with few decode nodes they hold more
-        counted KV than their host memory, evict some of it while the request waits, and a
-        short read past the node's own prefix is recomputed (OSWorld 160 at 8P1D: 6,223 of
-        10,309 fetches came back short from the decode node, 94 % of the blocks still held by
-        a prefill node).
+        holds (past a hole in its own chain) is not fetched. The branch's own prefill copy
+        first because a decode node keeps a count for every branch it decoded (line 12): at
+        a split with few decode nodes they hold more counted KV than their host memory and
+        evict some of it while the request waits, and a short read past the node's own
+        prefix is recomputed (OSWorld 160 at 8P1D: 6,223 of 10,309 fetches came back short
+        from the decode node, 94 % of the blocks still held by a prefill node). Only a copy
+        the branch counts: another prefill node's uncounted copy is evicted first (E.2 line
+        18), and preferring any same-phase copy lost reuse at 2P7D.
 
         The backing run names that same peer for ``n``'s own blocks: a request may wait
         long enough for ``n`` to evict them (a long queue at a node whose cache cannot hold
@@ -550,8 +552,11 @@ class Router:
         reach = list(match.own)
         reach[n.idx] = -1
         far = reach.index(max(reach))
-        kin = [r if self._nodes[directory.nodes[i]].phase is n.phase else -1
-               for i, r in enumerate(reach)]
+        kin = [-1] * len(reach)
+        for m in directory.branch_counts(r.branch):
+            i = directory.index(m)
+            if i != n.idx and self._nodes[m].phase is n.phase:
+                kin[i] = reach[i]
         near = kin.index(max(kin))
         runs: list[FetchRun] = []
         if reach[far] > 0 and pos > 0:

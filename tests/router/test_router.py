@@ -341,25 +341,30 @@ def test_the_all_node_loop_is_eq7_on_each_node(seed: int, pool: bool) -> None:
     assert sum(skipped) > 0  # the bound did rule nodes out
 
 
-def test_fetch_plan_reads_a_prefill_peers_prefix_before_the_decode_nodes_copy() -> None:
-    """P1 ran the branch's last prefill (blocks 0-19), D1 decoded it and holds the prompt and
-    the output (0-29). A request that P1's queue sends to P2 reads 0-19 from P1, the source
-    of a prefill-to-prefill move, and only 20-29 from D1, whose copies of every branch it
-    decoded may outgrow its host memory. Control: with P1 a decode node too, D1 reaching
+def test_fetch_plan_reads_the_branchs_prefill_copy_before_the_decode_nodes() -> None:
+    """The branch's last prefill ran on P1 (it counts blocks 0-19 there), D1 decoded it and
+    holds the prompt and the output (0-29). A request that P1's queue sends to P2 reads 0-19
+    from P1, the source of the branch's move, and only 20-29 from D1, whose copies of every
+    branch it decoded may outgrow its host memory. Controls: with P1 a decode node, or with
+    P1's copy one the branch does not count (another branch's, evicted first), D1 reaching
     furthest serves it all, as before."""
-    def plan(p1: Phase):
+    def plan(p1: Phase, counted: bool):
         r = make({"P1": p1, "P2": Phase.PREFILL, "P3": Phase.PREFILL, "D1": Phase.DECODE})
         tokens = rng.integers(0, 50_000, size=30 * PAGE + 100, dtype=np.uint32)
         path = r.directory.branches.hasher.hash(tokens).hashes
         r.directory.apply("P1", BlockStored(path[:20], None, [], PAGE, medium="CPU_PINNED"))
         r.directory.apply("D1", BlockStored(path[:30], None, [], PAGE, medium="CPU_PINNED"))
+        if counted:
+            r.directory.step("b", tokens[:20 * PAGE])
+            r.directory.place("b", "P1")
         for node in ("P1", "P3"):
             load(r, node, 20)
-        route = r.route(req("q1", tokens), now=0.0)
+        route = r.route(req("q1", tokens, branch="b"), now=0.0)
         assert route.node == "P2" and route.prediction.t_c == 30 * PAGE
         return [(f.peer, f.start, f.blocks) for f in route.fetch], path
 
-    fetch, path = plan(Phase.PREFILL)
+    fetch, path = plan(Phase.PREFILL, counted=True)
     assert fetch == [("P1", 0, path[:20]), ("D1", 20, path[20:30])]
-    fetch, path = plan(Phase.DECODE)
-    assert fetch == [("D1", 0, path[:30])]
+    for p1, counted in ((Phase.DECODE, True), (Phase.PREFILL, False)):
+        fetch, path = plan(p1, counted)
+        assert fetch == [("D1", 0, path[:30])]

@@ -22,13 +22,15 @@ short text, outputs of ~100-300 tokens, short pauses, some sub-agents). Shape:
 
 The screenshot size is the one input fitted to a measurement of a baseline (issue 39): the
 paper's SGLang PD serves OSWorld 128 at 3.12 req/s at its best static split (Table D.1).
-Issue 6's 1,500-3,000 tokens (with a 150K bound) gave 13.8 req/s on GLM-5.2's engine, 9.3 on
-K2.6's (``drivers/fake/models.py``); on K2.6's, twice, 2.5x, 2.75x and three times that size
-gave 4.42 (6P3D), 3.37, 3.31 and 3.07 req/s (7P2D), so three times is adopted. It is about
+Issue 6's 1,500-3,000 tokens (with a 150K bound) gave 13.8 req/s on GLM-5.2's engine, 9.3
+with K2.6's attention cost alone (``drivers/fake/models.py``); on K2.6's engine, twice, 2.5x,
+2.75x and three times that size gave 4.42 (6P3D), 3.37, 3.31 and 3.07 req/s (7P2D), so
+three times is adopted. It is about
 twice a 1920x1080 screenshot under K2.6's vision encoder (14-pixel patches merged 2x2:
 ~2,600 tokens), so it also stands for what the paper's traces add per step and this
-generator does not know (accessibility text, a longer reasoning). At the paper's reuse: the
-ideal hit rate stays near the paper's 93.8 % (Table C.1). Nothing was tuned against evinfra.
+generator does not know (accessibility text, a longer reasoning). The ideal hit rate is
+92.1-92.3 % (the paper's 93.8 %, Table C.1): the 256K bound stops the longest agents sooner
+as each step grows. Nothing was tuned against evinfra.
 """
 
 from __future__ import annotations

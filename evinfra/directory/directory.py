@@ -113,6 +113,10 @@ class Directory:
         """``branch`` is live: stepped (E.1) and not ended."""
         return branch in self.branches
 
+    def branch_nodes(self, branch: BranchId) -> list[int]:
+        """``N_β``: the indexes of the nodes where ``branch`` counts blocks (E.2 line 3)."""
+        return self.branches.nodes_of(branch)
+
     def branch_counts(self, branch: BranchId) -> dict[NodeId, int]:
         """How many blocks ``branch`` counts on each node it is on (``|C[β, n]|``)."""
         return {self.nodes[i]: len(self.branches.counted(branch, i))

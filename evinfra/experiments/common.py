@@ -12,11 +12,8 @@ from evinfra.sim.harness import RunSpec
 from evinfra.sim.sweep import fixed_split
 from evinfra.workloads import Phase
 
-__all__ = ["MODEL", "best_prefill", "best_static", "closed", "label", "latency_rule",
-           "rate_factor", "served", "system", "sweep"]
-
-MODEL = {"putnam": "glm-5.2", "cc": "glm-5.2", "osworld": "kimi-k2.6"}
-"""The model the paper serves each workload with (6.1)."""
+__all__ = ["best_prefill", "best_static", "closed", "label", "latency_rule", "rate_factor",
+           "served", "system", "sweep"]
 
 
 def system(config: Config, policy: str, *, prefill: int | None = None, fixed: bool = False,
@@ -48,7 +45,7 @@ def served(config: Config, workloads: list[str]) -> Config:
     """``config`` with its fake engines serving the paper's model for ``workloads``: Kimi
     K2.6 when OSWorld's agents are among them (6.1: "Kimi K2.6 for OSWorld and for the run
     with a shifting workload composition"), GLM-5.2 otherwise."""
-    model = "kimi-k2.6" if any(MODEL.get(w) == "kimi-k2.6" for w in workloads) else "glm-5.2"
+    model = "kimi-k2.6" if "osworld" in workloads else "glm-5.2"
     return msgspec.structs.replace(config, fake=serving(config.fake, model))
 
 

@@ -547,26 +547,24 @@ class Router:
             return []
         hashes = r.path.hashes
         directory = self.directory
+        names = directory.nodes  # a copy per read
         # The peer whose own prefix reaches furthest (the first on ties): C loops over the
         # nodes, which a route at 64 nodes notices.
         reach = list(match.own)
         reach[n.idx] = -1
         far = reach.index(max(reach))
-        kin = [-1] * len(reach)
-        for m in directory.branch_counts(r.branch):
-            i = directory.index(m)
-            if i != n.idx and self._nodes[m].phase is n.phase:
-                kin[i] = reach[i]
-        near = kin.index(max(kin))
+        near = max((i for i in directory.branch_nodes(r.branch)
+                    if i != n.idx and self._nodes[names[i]].phase is n.phase),
+                   key=reach.__getitem__, default=far)
         runs: list[FetchRun] = []
         if reach[far] > 0 and pos > 0:
-            back = near if kin[near] >= min(reach[far], pos) else far
-            runs.append(FetchRun(directory.nodes[back], 0, hashes[:min(reach[back], pos)]))
+            back = near if reach[near] >= min(reach[far], pos) else far
+            runs.append(FetchRun(names[back], 0, hashes[:min(reach[back], pos)]))
         if not p.x:
             return runs
         while pos < end:
-            if kin[near] > pos:
-                best, stop = near, min(kin[near], end)
+            if reach[near] > pos:
+                best, stop = near, min(reach[near], end)
             elif reach[far] > pos:
                 best, stop = far, min(reach[far], end)
             else:
@@ -577,7 +575,7 @@ class Router:
                 stop = pos + 1
                 while stop < end and directory.holds(hashes[stop], best):
                     stop += 1
-            runs.append(FetchRun(directory.nodes[best], pos, hashes[pos:stop]))
+            runs.append(FetchRun(names[best], pos, hashes[pos:stop]))
             pos = stop
         return runs
 

@@ -15,7 +15,8 @@ Public API (the router and the planner rely on these names)::
         .t_d_req(t_out, t_acc, B)           Eq. 4: occupancy of one request in decode
         .mu_p(t_uc, t_c, A=None)            1 / T_P^req
         .mu_d(t_out, t_acc, B)              1 / T_D^req (0 at B = 0)
-        .remeasured(t_bar, f)               the same coefficients with new t̄_n, f_n
+        .kv_tokens                          GPU KV a decode batch can hold (0: not reported)
+        .remeasured(t_bar, f, kv_tokens)    the same coefficients with new t̄_n, f_n, capacity
         .reduced .pooled .stand_in          coefficients not from the node's own full fit
     NodeFitter(node, k_over_e, t_fwd)       collects a node's IterationReports, fits, freezes
         .add(report)   .fit() -> FitReport
@@ -98,7 +99,7 @@ class NodeModel(msgspec.Struct, frozen=True, kw_only=True):
 
     Every method takes floats or numpy arrays and broadcasts. ``t_bar`` (t̄_n, mean uncached
     tokens per prefill iteration) and ``f`` (f_n, fraction of cached tokens restored from host)
-    are the only fields that change after warmup (:meth:`remeasured`).
+    are the only fields that change after warmup (:meth:`remeasured`), with ``kv_tokens``.
     """
 
     node: NodeId
@@ -113,6 +114,11 @@ class NodeModel(msgspec.Struct, frozen=True, kw_only=True):
     t_fwd: float
     t_bar: float
     f: float
+    kv_tokens: int = 0
+    """Tokens of GPU KV the node's running requests can hold (``NodeState.l1_capacity``, as
+    the node last reported it; 0: not reported, no bound). Decode runs from GPU memory, so
+    this bounds the batch B that Θ credits the node with (:func:`~evinfra.planner.planner
+    .plan`, a departure from Eq. 5 its README explains)."""
     unidentified: tuple[str, ...] = ()
     reduced: tuple[str, ...] = ()
     """Coefficients a reduced fit fixed at 0 because the records could not separate them from
@@ -176,9 +182,10 @@ class NodeModel(msgspec.Struct, frozen=True, kw_only=True):
         """Requests per second the node completes in decode: ``1 / T_D^req`` (0 when B = 0)."""
         return B * t_acc / (self.t_d_iter(B) * t_out)
 
-    def remeasured(self, t_bar: float, f: float) -> "NodeModel":
-        """This model with the window's t̄_n and f_n (paper 5.1 "Online fitting")."""
-        return msgspec.structs.replace(self, t_bar=t_bar, f=f)
+    def remeasured(self, t_bar: float, f: float, kv_tokens: int) -> "NodeModel":
+        """This model with the window's t̄_n and f_n (paper 5.1 "Online fitting") and the
+        node's last reported KV capacity."""
+        return msgspec.structs.replace(self, t_bar=t_bar, f=f, kv_tokens=kv_tokens)
 
 
 class FitReport(msgspec.Struct, frozen=True, kw_only=True):

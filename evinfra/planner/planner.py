@@ -160,8 +160,9 @@ class _Arrays:
 
     def __init__(self, k_over_e: float, t_fwd: float, columns: np.ndarray) -> None:
         self.k_over_e, self.t_fwd, self.columns = k_over_e, t_fwd, columns
-        # c0/t̄ + c1 is Eq. 3's cost per uncached token; c3·f its cost per cached token.
-        self.per_token, self.c2, self.c3f, self.d0, self.d1, self.d2, self.t_bar = columns
+        # c0/t̄ + c1 is Eq. 3's cost per uncached token; c3·f its cost per cached token; kv is
+        # the GPU KV a decode batch can hold (inf: not reported).
+        self.per_token, self.c2, self.c3f, self.d0, self.d1, self.d2, self.t_bar, self.kv = columns
 
     @classmethod
     def of(cls, models: Sequence[NodeModel]) -> "_Arrays":
@@ -170,8 +171,8 @@ class _Arrays:
             raise ValueError(f"all nodes must serve one model (k/E, t_fwd): got {shapes}")
         (k_over_e, t_fwd), = shapes
         return cls(k_over_e, t_fwd, np.array(
-            [(x.c0 / x.t_bar + x.c1, x.c2, x.c3 * x.f, x.d0, x.d1, x.d2, x.t_bar)
-             for x in models]).T)
+            [(x.c0 / x.t_bar + x.c1, x.c2, x.c3 * x.f, x.d0, x.d1, x.d2, x.t_bar,
+              x.kv_tokens or math.inf) for x in models]).T)
 
     def take(self, order: np.ndarray) -> "_Arrays":
         return _Arrays(self.k_over_e, self.t_fwd, self.columns[:, order])
@@ -201,13 +202,20 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     again what the decode nodes can complete with the requests at hand; where decode binds,
     few requests wait for prefill and n̄ is q̄ plus those in prefill service.
 
+    Decode runs from GPU memory, so node k runs at most ``cap_ik = kv_tokens_k / kv̄_i``
+    requests (kv̄_i: the GPU KV a request in decode holds, :attr:`SliceWork.kv`); the others
+    wait for admission, their prefill done. Its μ_D is evaluated at ``min(B, cap_ik)``, where
+    Eq. 5 credits a node with every request its share of q̄ holds however little of their KV
+    fits (the README's second departure from Eq. 5).
+
     The prefill side is a prefix sum of the μ_P matrix (m × N, computed once). The decode side
     is not a suffix sum of one matrix: B = n̄/|D| changes with p, so every node's μ_D is
     evaluated at the B of each candidate it decodes in, O(N·m) per candidate. A candidate
     gets that only where the decode side may be the smaller one: by the AM-HM inequality
     Σ_{k∈D} 1/T_k ≥ |D|² / Σ_{k∈D} T_k, whose right side costs O(1) per (slice, candidate)
-    from suffix sums of d0, d1, d2; where that bound reaches the prefill side in every
-    slice, Θ is the prefill side exactly.
+    from suffix sums of d0, d1, d2, evaluated at B capped by the smallest cap among the
+    candidate's decode nodes (μ_D grows with B: φ is concave with φ(0) = 0); where that bound
+    reaches the prefill side in every slice, Θ is the prefill side exactly.
     """
     n = len(nodes.d0)
     mu_p = 1.0 / nodes.t_p_req(w["t_uc"], w["A"], w["t_c"])
@@ -217,27 +225,48 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     f = phi(B, nodes.k_over_e, nodes.t_fwd)
     # Eq. 4: μ_D,n = B·t_acc / (T_D,n^iter(B)·t_out); no requests in decode -> 0.
     scale = np.where(B > 0, B / w["n_iter"][:, None], 0.0)
+    n_iter = w["n_iter"][:, None]
+    kv = w["kv"][:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cap = np.where(kv > 0, nodes.kv[None, :] / kv, np.inf)
+        at = np.where(np.isfinite(cap), cap, 0.0)
+        # cap/T_D^iter(cap): what a node running its cap adds to Σ B/T_D^iter.
+        full = np.where(np.isfinite(cap), at / nodes.t_d_iter(at), 0.0)
+    # Column p−1: the smallest and largest cap among π[p:], the candidate's decode nodes.
+    smallest = np.minimum.accumulate(cap[:, ::-1], axis=1)[:, ::-1][:, 1:]
+    largest = np.maximum.accumulate(cap[:, ::-1], axis=1)[:, ::-1][:, 1:]
+    capped = B > largest  # every decode node runs its cap: a suffix sum, exact
+    mixed = (B > smallest) & ~capped
+    low = np.minimum(B, smallest)
     d0, d1, d2 = (np.cumsum(x[::-1])[::-1][1:] for x in (nodes.d0, nodes.d1, nodes.d2))
     with np.errstate(divide="ignore", invalid="ignore"):
-        bound = scale * size * size / (d0 + d1 * f + d2 * B)
+        bound = (np.where(low > 0, low / n_iter, 0.0) * size * size
+                 / (d0 + d1 * phi(low, nodes.k_over_e, nodes.t_fwd) + d2 * low))
     exact = ~(bound >= prefill).all(axis=0)
-    decode = np.full_like(prefill, np.inf)
-    if exact.any():
+    decode = np.where(capped, np.cumsum(full[:, ::-1], axis=1)[:, ::-1][:, 1:] / n_iter, np.inf)
+    wanted = exact & ~capped.all(axis=0)
+    if wanted.any():
         with np.errstate(divide="ignore", invalid="ignore"):
-            sums = _inverse_iter_sums(nodes, B, f, exact)
-            decode[:, exact] = np.where(scale > 0, scale * sums, 0.0)[:, exact]
+            sums = _inverse_iter_sums(nodes, B, f, wanted, cap, full, mixed)
+            summed = np.where(scale > 0, scale * sums, 0.0)
+        decode[:, wanted] = np.where(capped, decode, summed)[:, wanted]
     return np.minimum(prefill, decode)
 
 
 def _inverse_iter_sums(nodes: _Arrays, B: np.ndarray, f: np.ndarray,  # noqa: N803
-                       wanted: np.ndarray, chunk: int = 32) -> np.ndarray:
-    """``S[i, p−1] = Σ_{k ≥ p} 1 / T_D,k^iter(B[i, p−1])`` for the ``wanted`` candidates
-    (others: 0); ``f`` is φ(B).
+                       wanted: np.ndarray, cap: np.ndarray, full: np.ndarray, mixed: np.ndarray,
+                       chunk: int = 32) -> np.ndarray:
+    """``S[i, p−1] = Σ_{k ≥ p} b / (B·T_D,k^iter(b))`` with ``b = min(B[i, p−1], cap[i, k])``
+    for the ``wanted`` candidates (others: 0); ``f`` is φ(B), ``full`` is ``cap/T(cap)``,
+    ``mixed`` marks the (slice, candidate) pairs where the cap binds on some of the decode
+    nodes but not all. Times ``B/n_iter`` it is the candidate's decode side.
 
     Computed ``chunk`` candidates at a time for all slices, so the working set (m × chunk × N)
     stays in cache: ``T = [1, φ, B] @ [d0; d1; d2]`` is one matrix product per chunk, and
     within a chunk the nodes a candidate does not decode on are set to ``T = inf`` so they add
-    0. Terms in float32 (half the memory traffic; relative error ~1e-7, far below what the
+    0. A node whose cap binds runs its cap whatever B is, so its term ``cap/(B·T(cap))`` comes
+    from one m × N matrix, and only chunks with ``mixed`` pairs pay for the substitution.
+    Terms in float32 (half the memory traffic; relative error ~1e-7, far below what the
     2σ/√m test resolves), sums accumulated in float64.
     """
     m, c = B.shape
@@ -245,6 +274,7 @@ def _inverse_iter_sums(nodes: _Arrays, B: np.ndarray, f: np.ndarray,  # noqa: N8
     x = np.stack([np.ones_like(B), f, B], axis=-1).astype(np.float32)
     out = np.zeros((m, c))
     not_decoding = np.tril(np.full((chunk, chunk), np.inf, np.float32), -1)
+    decoding = np.triu(np.ones((chunk, chunk), bool))
     for j0 in range(0, c, chunk):
         j1 = min(j0 + chunk, c)
         if not wanted[j0:j1].any():
@@ -253,6 +283,11 @@ def _inverse_iter_sums(nodes: _Arrays, B: np.ndarray, f: np.ndarray,  # noqa: N8
         t = np.matmul(x[:, j0:j1], d[:, p0:])
         t[:, :, :r] += not_decoding[:r, :r]
         np.reciprocal(t, out=t)
+        if mixed[:, j0:j1].any():
+            b = B[:, j0:j1]
+            capped = b[:, :, None] > cap[:, None, p0:]
+            capped[:, :, :r] &= decoding[:r, :r]
+            np.copyto(t, full[:, None, p0:] / b[:, :, None], where=capped, casting="unsafe")
         t.sum(axis=-1, dtype=np.float64, out=out[:, j0:j1])
     return out
 
@@ -279,7 +314,7 @@ def _order(nodes: _Arrays, names: Sequence[NodeId], split: Split,
 def _work(slices: Sequence[SliceWork]) -> dict[str, np.ndarray]:
     """The usable slices' work as columns: what Eq. 3-5 and the latency estimate take."""
     w = {k: np.array([getattr(s, k) for s in slices])
-         for k in ("requests", "t_uc", "A", "t_c", "n", "length", "t_acc")}
+         for k in ("requests", "t_uc", "A", "t_c", "n", "length", "t_acc", "kv")}
     w["n_iter"] = np.array([s.t_out / s.t_acc for s in slices])
     return w
 
@@ -664,6 +699,7 @@ class Planner:
         finite source, :class:`~evinfra.planner.latency.Sources`; None: none seen)."""
         self._last_switch = -math.inf
         self._population = (0.0, 0.0)  # (q, n): requests in decode, in flight
+        self._kv = dict.fromkeys(names, 0)  # GPU KV capacity each node last reported
         self._out: list[NodeId] = []  # nodes out of service (down or cordoned), by name
 
     # -- observations ----------------------------------------------------------------------
@@ -695,7 +731,10 @@ class Planner:
             self._window.set_population(now, q, n)
 
     def observe_state(self, state: NodeState) -> None:
-        """Node reports: the window measures work from requests and iterations instead."""
+        """A node report: its GPU KV capacity, which bounds Θ's decode batch on the node (the
+        window measures work from requests and iterations, not from reports)."""
+        if state.l1_capacity > 0 and state.node in self._kv:
+            self._kv[state.node] = state.l1_capacity
 
     def observe_done(self, record: RequestDone) -> None:
         """A request is over: its branch is an active source of the window (its work arrives
@@ -836,7 +875,7 @@ class Planner:
         if self._fitters:
             self.models = {m.node: m for m in pool(list(self.models.values()))}
         measured = window.remeasure({n: (x.t_bar, x.f) for n, x in self.models.items()})
-        self.models = {n: x.remeasured(*measured[n]) for n, x in self.models.items()}
+        self.models = {n: x.remeasured(*measured[n], self._kv[n]) for n, x in self.models.items()}
 
     def _plan(self, slices: list[SliceWork], now: float,
               recent: tuple[list[SliceWork], list[float] | None]) -> Decision:

@@ -1,7 +1,8 @@
 """Slice statistics of one planning window: Algorithm E.3 line 15.
 
 A window of length ``T_win`` is cut into ``m`` equal slices. Per slice it keeps the sums
-behind w̄_i (finished requests' ``t_uc``, ``A``, ``t_c``, ``t_out``; decode iterations'
+behind w̄_i (finished requests' ``t_uc``, ``A``, ``t_c``, ``t_out`` and their decode KV;
+decode iterations'
 accepted tokens for ``t_acc``) and the time integrals of two levels: ``q``, the number of
 requests in decode, for q̄_i, and ``n``, the number of requests in flight, for n̄_i. Per
 node it keeps the prefill iterations behind t̄_n and f_n. Memory is O(m + nodes): nothing
@@ -43,6 +44,11 @@ class SliceWork(msgspec.Struct, frozen=True, kw_only=True):
     t_acc: float
     """Output tokens per request per decode iteration, from the slice's decode iterations (the
     window's when the slice had none)."""
+    kv: float = 0.0
+    """Tokens of GPU KV a request in decode holds on average over time: its whole context
+    ``t_uc + t_c + t_out`` (an engine reserves or grows to it), weighted by its decode time,
+    which at one node's batch is proportional to ``t_out``. So ``Σ(t_uc + t_c + t_out)·t_out
+    / Σt_out`` over the slice's requests; 0 without any (no bound on Θ's decode batch)."""
     q: float
     n: float
     """Requests in flight: waiting for or in prefill (queued, fetching, handed over) or in
@@ -66,10 +72,10 @@ class Window:
         self.end = start + length
         self.m = m
         self._dt = length / m
-        # Per slice: finished requests and their Σt_uc, ΣA, Σt_c, Σt_out; decode iterations'
+        # Per slice: finished requests and their Σt_uc, ΣA, Σt_c, Σt_out, Σ(context)·t_out; decode iterations'
         # accepted tokens and request-iterations (Σ batch); ∫q dt and ∫n dt. Lists: one slice
         # is updated per observation, where numpy's per-call cost would dominate.
-        self._work = [[0.0] * 5 for _ in range(m)]
+        self._work = [[0.0] * 6 for _ in range(m)]
         self._accepted = [0.0] * m
         self._fed = [0.0] * m
         self._q_area = [0.0] * m
@@ -86,7 +92,8 @@ class Window:
     def add_request(self, now: float, t_uc: float, t_c: float, t_out: float) -> None:
         i = self._slice(now)
         if i is not None:
-            for k, x in enumerate((1.0, t_uc, qk_pairs(t_uc, t_c), t_c, t_out)):
+            for k, x in enumerate((1.0, t_uc, qk_pairs(t_uc, t_c), t_c, t_out,
+                                   (t_uc + t_c + t_out) * t_out)):
                 self._work[i][k] += x
 
     def add_decode(self, now: float, batch: int, accepted: int, count: int = 1) -> None:
@@ -125,11 +132,12 @@ class Window:
         fed = sum(self._fed)
         pooled = sum(self._accepted) / fed if fed else 0.0
         out = []
-        for i, (count, t_uc, A, t_c, t_out) in enumerate(self._work):  # noqa: N806
+        for i, (count, t_uc, A, t_c, t_out, kv) in enumerate(self._work):  # noqa: N806
             per = 1.0 / count if count else 0.0
             out.append(SliceWork(
                 start=self.start + i * self._dt, length=self._dt, requests=int(count),
                 t_uc=t_uc * per, A=A * per, t_c=t_c * per, t_out=t_out * per,
+                kv=kv / t_out if t_out else 0.0,
                 q=self._q_area[i] / self._dt, n=self._n_area[i] / self._dt,
                 t_acc=self._accepted[i] / self._fed[i] if self._fed[i] else pooled))
         return out

@@ -10,6 +10,7 @@ import pytest
 from planner_fakes import OSWORLD, PUTNAM, TRUTH, Synth, Workload, heterogeneous, make_cluster
 
 from evinfra.core.contracts import NodeLoad
+from evinfra.core.events import NodeState
 from evinfra.core.types import qk_pairs
 from evinfra.errors import ConfigError
 from evinfra.planner import Decision, NodeModel, Planner, PlannerConfig, SliceWork, Split, plan
@@ -24,21 +25,26 @@ def homogeneous(n: int) -> list[NodeModel]:
 
 def slice_of(requests: list[tuple[float, float, float]], q: float, start: float = 0.0,
              t_acc: float = 1.8, waiting: float = 0.0) -> SliceWork:
-    """w̄, q̄ and n̄ of a slice whose finished requests are ``[(t_uc, t_c, t_out), ...]``,
-    with ``waiting`` requests waiting for or in prefill."""
+    """w̄, q̄, n̄ and the decode KV of a slice whose finished requests are ``[(t_uc, t_c,
+    t_out), ...]``, with ``waiting`` requests waiting for or in prefill."""
     t_uc, t_c, t_out = np.array(requests, dtype=float).T
     return SliceWork(start=start, length=60.0, requests=len(requests), t_uc=float(t_uc.mean()),
                      A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
-                     t_out=float(t_out.mean()), t_acc=t_acc, q=float(q), n=float(q + waiting))
+                     t_out=float(t_out.mean()), t_acc=t_acc, q=float(q), n=float(q + waiting),
+                     kv=float(((t_uc + t_c + t_out) * t_out).sum() / t_out.sum()))
 
 
 def theta(models: list[NodeModel], prefill: set[str], s: SliceWork) -> float:
-    """Eq. 5 one node at a time, the decode side at the requests in flight (the reference for
-    the vectorized planner)."""
+    """Eq. 5 one node at a time, the decode side at the requests in flight, each node's batch
+    at most what its GPU KV holds (the reference for the vectorized planner)."""
     decode = [x for x in models if x.node not in prefill]
     B = s.n / len(decode)  # noqa: N806
+
+    def batch(x: NodeModel) -> float:
+        return min(B, x.kv_tokens / s.kv) if x.kv_tokens and s.kv else B
+
     mu_p = sum(x.mu_p(s.t_uc, s.t_c, A=s.A) for x in models if x.node in prefill)
-    return min(mu_p, sum(x.mu_d(s.t_out, s.t_acc, B) for x in decode))
+    return min(mu_p, sum(x.mu_d(s.t_out, s.t_acc, batch(x)) for x in decode))
 
 
 def random_slices(rng: np.random.Generator, m: int = 10) -> list[SliceWork]:
@@ -56,13 +62,14 @@ def random_slices(rng: np.random.Generator, m: int = 10) -> list[SliceWork]:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_theta_and_gains_match_the_per_node_reference(seed):
-    """Heterogeneous nodes (±30 %): the vectorized Θ of every candidate (the decode side
-    bounded or summed) equals Eq. 5 summed node by node, and each candidate changes exactly
-    |p − |P|| nodes."""
+    """Heterogeneous nodes (±30 %, some with a GPU KV capacity that caps their decode batch,
+    some unreported): the vectorized Θ of every candidate (the decode side bounded or summed)
+    equals Eq. 5 summed node by node, and each candidate changes exactly |p − |P|| nodes."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 12))
     models = [heterogeneous(f"n{i}", rng, 0.3) for i in range(n)]
-    models = [msgspec.structs.replace(x, t_bar=rng.uniform(2000, 8192), f=rng.uniform(0, 0.5))
+    models = [msgspec.structs.replace(x, t_bar=rng.uniform(2000, 8192), f=rng.uniform(0, 0.5),
+                                      kv_tokens=int(rng.choice([0, rng.uniform(5e5, 5e6)])))
               for x in models]
     names = [x.node for x in models]
     split = Split.of(names, rng.choice(names, int(rng.integers(1, n)), replace=False))
@@ -173,6 +180,27 @@ def test_a_prefill_bound_split_moves_toward_prefill():
     assert paper.chosen is None
     assert all(c.mean < 0 for c in paper.candidates), [c.mean for c in paper.candidates]
     assert paper.theta == pytest.approx([s.requests / s.length for s in slices], rel=0.02)
+
+
+@pytest.mark.parametrize("t_c", [60_000, 80_000])
+def test_a_decode_node_runs_only_the_requests_its_gpu_kv_holds(t_c):
+    """Fig. 7's mixed hour (planner README: the second departure from Eq. 5): 216 requests
+    in flight at 7P2D, screenshot-sized prefills, a 78-97K-token context per request in
+    decode. Eq. 5 credits one decode node with all 216 and predicts 8P1D to serve more; a
+    GB300 node's 2.06M tokens of GPU KV run 21-26 of them, so 8P1D is predicted to lose and
+    7P2D holds. The control is a cluster that reports no capacity: Eq. 5 as written, and
+    8P1D is chosen."""
+    rng = np.random.default_rng(0)
+    names = [f"n{i}" for i in range(9)]
+    slices = [slice_of([(2e4 * rng.uniform(0.9, 1.1), t_c * rng.uniform(0.9, 1.1), 300)] * 30,
+                       216 * rng.uniform(0.95, 1.05), 60.0 * i) for i in range(10)]
+    split = Split.of(names, names[:7])
+    unbounded = plan(homogeneous(9), split, slices, at=600.0)
+    assert unbounded.chosen is not None and unbounded.chosen.label == "8P1D"
+    gb300 = [msgspec.structs.replace(x, kv_tokens=2_060_000) for x in homogeneous(9)]
+    d = plan(gb300, split, slices, at=600.0)
+    eight = next(c for c in d.candidates if c.prefill == 8)
+    assert d.chosen is None and eight.mean < -eight.threshold, d.reason
 
 
 def test_slices_without_finished_requests_are_left_out():
@@ -352,6 +380,21 @@ def test_config_defaults_are_the_papers_and_typos_are_rejected():
         Planner(c, ["a", "b"], ["a", "b"], start=0.0)
     with pytest.raises(ConfigError):
         Planner(c, ["a", "b"], ["c"], start=0.0)
+
+
+def test_the_gpu_kv_each_node_reports_reaches_its_model():
+    """NodeState.l1_capacity (the fake engine's L1, SGLang's max_total_num_tokens) is what
+    bounds Θ's decode batch on the node from the next window on; a report without it (0)
+    leaves the last one, and a node that never reported has no bound."""
+    cluster = make_cluster()
+    cluster.warmup()
+    p = cluster.planner
+    assert all(x.kv_tokens == 0 for x in p.models.values())
+    for k, node in enumerate(p.nodes[:-1]):
+        p.observe_state(NodeState(node, p.warmup_end, "decode", l1_capacity=1_000_000 + k))
+    p.observe_state(NodeState("n0", p.warmup_end + 1, "decode"))
+    cluster.window([PUTNAM] * 10)
+    assert [p.models[n].kv_tokens for n in p.nodes] == [1_000_000 + k for k in range(8)] + [0]
 
 
 def test_unknown_nodes_are_ignored():

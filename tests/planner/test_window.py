@@ -35,6 +35,9 @@ def test_work_means_are_means_of_the_terms():
     assert s.t_uc == pytest.approx(15_500) and s.t_c == pytest.approx(25_000)
     assert s.A == pytest.approx((qk_pairs(1000, 50_000) + qk_pairs(30_000, 0)) / 2)
     assert s.t_out == pytest.approx(200) and s.t_acc == pytest.approx(1.8)
+    # Decode KV per request over time: contexts 51,300 and 30,100 weighted by t_out 300 and
+    # 100 (the plain mean would be 40,700).
+    assert s.kv == pytest.approx(46_000)
     assert [x.requests for x in w.close()] == [0, 2] + [0] * 8
 
 

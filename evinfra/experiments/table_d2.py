@@ -1,11 +1,12 @@
 """Table D.2 (paper D.3): open-loop agent arrivals on CC, and the highest arrival rate each
 system sustains.
 
-Agents arrive in a Poisson process at 0.5 to 1.5 per minute (steps of 0.25), the same
-arrivals for every system; at most 258 run at once, and an agent's wait for admission counts
+Agents arrive in a Poisson process at the paper's 0.5 to 1.5 per minute (steps of 0.25), then
+2 to 4 (steps of 0.5), the same arrivals for every system; at most 258 run at once, and an agent's wait for admission counts
 toward its first request's TTFT and E2E. A system sustains a rate if its P50 and P95 TTFT
 stay within 5 s and 15 s, its P50 E2E within 10 s, it admits at least 90 % of the arriving
-agents, and fewer than 0.5 % of its requests fail. Systems: evinfra from the best static
+agents, and fewer than 0.5 % of its requests fail; its highest sustained rate is the highest
+up to which it sustains every rate played. Systems: evinfra from the best static
 split, SGLang PD at it, Dynamo from 6P3D; minutes 30 to 90 scored. The best static split is
 the paper's 4P5D there (CC, Fig. 3b); here the one this simulator's sweep of SGLang PD on CC
 with 90 agents chooses, evinfra's and SGLang PD's runs following the sweep. Paper: evinfra
@@ -31,8 +32,11 @@ from evinfra.workloads import poisson_arrivals
 __all__ = ["TITLE", "followups", "plans", "report"]
 
 TITLE = "Table D.2: open-loop arrivals on CC, the highest sustained rate"
-RATES = (0.5, 0.75, 1.0, 1.25, 1.5)
-"""Agents per minute (paper D.3)."""
+RATES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
+"""Agents per minute: the paper's (D.3), then on until every system fails. This cluster
+serves the paper's rates far below its capacity (1.5 agents/min is 2.2 req/s against the best
+static split's 4.5 under 90 closed-loop agents; docs/reproduction.md, "the regime"), so
+every system sustains all of them and only the higher rates tell the systems apart."""
 CAP = 258
 TARGETS = {"p50_ttft": 5.0, "p95_ttft": 15.0, "p50_e2e": 10.0, "admitted": 0.9,
            "errors": 0.005}
@@ -106,6 +110,7 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
     shown = {"evinfra": f"evinfra from {at}", "evinfra-latency": f"evinfra latency rule from {at}",
              "static": f"static {at}", "dynamo": "dynamo"}
     rows, best = [], {n: None for n in names}
+    failed: set[str] = set()
     for rate in RATES:
         row: list = [rate]
         for n in names:
@@ -114,7 +119,9 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                 row += [None, None, None, "–"]
                 continue
             ok = sustained(o)
-            if ok:
+            if not ok:
+                failed.add(n)
+            elif n not in failed:
                 best[n] = rate
             row += [o.summary.ttft.p50, o.summary.ttft.p95, o.summary.e2e.p50,
                     "yes" if ok else "no"]
@@ -134,7 +141,8 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
                      if best["evinfra"] is not None and best[n] else None, ref]
                     for n, ref in (("evinfra", 1.0), ("evinfra-latency", None),
                                    ("static", 0.5), ("dynamo", None))],
-              note="Paper: evinfra from 4P5D 1.0, static 4P5D 0.5, Dynamo none."),
+              note="The highest rate up to which every rate played meets the targets. Paper: "
+                   "evinfra from 4P5D 1.0, static 4P5D 0.5, Dynamo none."),
         Table(title="Split held at each rate: the paper's rule and the latency rule",
               columns=["rate (agents/min)"] + [f"{shown[n]} {m}" for n in rules
                                                for m in ("final split", "switches", "meets")],
@@ -153,8 +161,9 @@ def report(runs: dict[str, RunOutcome], scale: Scale, config_path: str, seed: in
         Table(title="Runs", columns=["run", "final split", "switches", "agents arrived",
                                      "admitted"], rows=splits),
     ]
-    notes = [f"Rates are the paper's; at {scale.name} scale the simulated arrival rate is "
-             f"{rate_factor(scale):.3g}x the listed one and the cap {scale.count(CAP)} agents."]
+    notes = [f"Rates 0.5-1.5 are the paper's, 2-4 go on until every system fails; at "
+             f"{scale.name} scale the simulated arrival rate is {rate_factor(scale):.3g}x the "
+             f"listed one and the cap {scale.count(CAP)} agents."]
     end = scale.warmup + scale.duration
     plots = [(f"tableD2_split_{rate:g}.png", lambda p, rate=rate: steps(
         p, f"prefill nodes at {rate:g} agents/min", {

@@ -224,8 +224,8 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     B = w["n"][:, None] / size  # noqa: N806
     f = phi(B, nodes.k_over_e, nodes.t_fwd)
     # Eq. 4: μ_D,n = B·t_acc / (T_D,n^iter(B)·t_out); no requests in decode -> 0.
-    scale = np.where(B > 0, B / w["n_iter"][:, None], 0.0)
     n_iter = w["n_iter"][:, None]
+    scale = np.where(B > 0, B / n_iter, 0.0)
     kv = w["kv"][:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         cap = np.where(kv > 0, nodes.kv[None, :] / kv, np.inf)

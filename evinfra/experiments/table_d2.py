@@ -3,14 +3,14 @@ system sustains.
 
 Agents arrive in a Poisson process at the paper's 0.5 to 1.5 per minute (steps of 0.25), then
 2 to 6 (steps of 0.5), the same arrivals for every system; at most 258 run at once, and an
-agent's wait for admission counts toward its first request's TTFT and E2E. A system sustains a rate if its P50 and P95 TTFT
-stay within 5 s and 15 s, its P50 E2E within 10 s, it admits at least 90 % of the arriving
-agents, and fewer than 0.5 % of its requests fail; its highest sustained rate is the highest
-up to which it sustains every rate played. Systems: evinfra from the best static
-split, SGLang PD at it, Dynamo from 6P3D; minutes 30 to 90 scored. The best static split is
-the paper's 4P5D there (CC, Fig. 3b); here the one this simulator's sweep of SGLang PD on CC
-with 90 agents chooses, evinfra's and SGLang PD's runs following the sweep. Paper: evinfra
-sustains 1.0 agents/min, static 4P5D 0.5, Dynamo none.
+agent's wait for admission counts toward its first request's TTFT and E2E. A system sustains
+a rate if its P50 and P95 TTFT stay within 5 s and 15 s, its P50 E2E within 10 s, it admits
+at least 90 % of the arriving agents, and fewer than 0.5 % of its requests fail; its highest
+sustained rate is the highest up to which it sustains every rate played. Systems: evinfra
+from the best static split, SGLang PD at it, Dynamo from 6P3D; minutes 30 to 90 scored. The
+best static split is the paper's 4P5D there (CC, Fig. 3b); here the one this simulator's
+sweep of SGLang PD on CC with 90 agents chooses, evinfra's and SGLang PD's runs following the
+sweep. Paper: evinfra sustains 1.0 agents/min, static 4P5D 0.5, Dynamo none.
 
 Beyond the paper (issue 43): evinfra with the latency rule (``planner.objective =
 "latency"``) from the same split, beside the paper's rule: the rate each sustains and the

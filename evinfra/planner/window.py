@@ -2,9 +2,9 @@
 
 A window of length ``T_win`` is cut into ``m`` equal slices. Per slice it keeps the sums
 behind w̄_i (finished requests' ``t_uc``, ``A``, ``t_c``, ``t_out`` and their decode KV;
-decode iterations'
-accepted tokens for ``t_acc``) and the time integrals of two levels: ``q``, the number of
-requests in decode, for q̄_i, and ``n``, the number of requests in flight, for n̄_i. Per
+decode iterations' accepted tokens for ``t_acc``) and the time integrals of two levels:
+``q``, the number of requests in decode, for q̄_i, and ``n``, the number of requests in
+flight, for n̄_i. Per
 node it keeps the prefill iterations behind t̄_n and f_n. Memory is O(m + nodes): nothing
 per request survives its ``add_request``.
 
@@ -72,9 +72,10 @@ class Window:
         self.end = start + length
         self.m = m
         self._dt = length / m
-        # Per slice: finished requests and their Σt_uc, ΣA, Σt_c, Σt_out, Σ(context)·t_out; decode iterations'
-        # accepted tokens and request-iterations (Σ batch); ∫q dt and ∫n dt. Lists: one slice
-        # is updated per observation, where numpy's per-call cost would dominate.
+        # Per slice: finished requests and their Σt_uc, ΣA, Σt_c, Σt_out, Σ(context)·t_out;
+        # decode iterations' accepted tokens and request-iterations (Σ batch); ∫q dt and ∫n dt.
+        # Lists: one slice is updated per observation, where numpy's per-call cost would
+        # dominate.
         self._work = [[0.0] * 6 for _ in range(m)]
         self._accepted = [0.0] * m
         self._fed = [0.0] * m

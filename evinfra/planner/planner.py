@@ -232,18 +232,16 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
         at = np.where(np.isfinite(cap), cap, 0.0)
         # cap/T_D^iter(cap): what a node running its cap adds to Σ B/T_D^iter.
         full = np.where(np.isfinite(cap), at / nodes.t_d_iter(at), 0.0)
-    # Column p−1: the smallest and largest cap among π[p:], the candidate's decode nodes.
-    smallest = np.minimum.accumulate(cap[:, ::-1], axis=1)[:, ::-1][:, 1:]
-    largest = np.maximum.accumulate(cap[:, ::-1], axis=1)[:, ::-1][:, 1:]
+    smallest, largest = _over_decode(np.minimum, cap), _over_decode(np.maximum, cap)
     capped = B > largest  # every decode node runs its cap: a suffix sum, exact
     mixed = (B > smallest) & ~capped
     low = np.minimum(B, smallest)
-    d0, d1, d2 = (np.cumsum(x[::-1])[::-1][1:] for x in (nodes.d0, nodes.d1, nodes.d2))
+    d0, d1, d2 = (_over_decode(np.add, x) for x in (nodes.d0, nodes.d1, nodes.d2))
     with np.errstate(divide="ignore", invalid="ignore"):
         bound = (np.where(low > 0, low / n_iter, 0.0) * size * size
                  / (d0 + d1 * phi(low, nodes.k_over_e, nodes.t_fwd) + d2 * low))
     exact = ~(bound >= prefill).all(axis=0)
-    decode = np.where(capped, np.cumsum(full[:, ::-1], axis=1)[:, ::-1][:, 1:] / n_iter, np.inf)
+    decode = np.where(capped, _over_decode(np.add, full) / n_iter, np.inf)
     wanted = exact & ~capped.all(axis=0)
     if wanted.any():
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -251,6 +249,12 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
             summed = np.where(scale > 0, scale * sums, 0.0)
         decode[:, wanted] = np.where(capped, decode, summed)[:, wanted]
     return np.minimum(prefill, decode)
+
+
+def _over_decode(ufunc: np.ufunc, x: np.ndarray) -> np.ndarray:
+    """``ufunc`` reduced over each candidate's decode nodes: column ``p − 1`` of the result
+    reduces ``x[..., π[p:]]`` (nodes on the last axis, in the order π), for p = 1..N−1."""
+    return ufunc.accumulate(x[..., ::-1], axis=-1)[..., ::-1][..., 1:]
 
 
 def _inverse_iter_sums(nodes: _Arrays, B: np.ndarray, f: np.ndarray,  # noqa: N803

@@ -12,17 +12,15 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from micro import MICRO
 
 import evinfra.experiments.command as command
 from evinfra.cli import main
 from evinfra.experiments.html import side_by_side
 from evinfra.experiments.report import ExperimentReport
 from evinfra.experiments.runs import RunOutcome
-from evinfra.experiments.scale import QUICK
 
 # The machinery at a size a test affords (tests/experiments/test_experiments.py's MICRO).
-MICRO = msgspec.structs.replace(QUICK, name="micro", warmup=120.0, duration=120.0,
-                                agents=1 / 48, t_learn=120.0, t_win=60.0, m=4, hold_off=10.0)
 _IMG = re.compile(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)">')
 
 

@@ -6,6 +6,7 @@ import json
 
 import msgspec
 import pytest
+from micro import MICRO
 
 from evinfra.cli import main
 from evinfra.config import load_config
@@ -14,21 +15,10 @@ from evinfra.experiments.report import higher, lower, write
 from evinfra.experiments.runs import run_plans
 from evinfra.experiments.scale import QUICK
 
-MICRO = msgspec.structs.replace(QUICK, name="micro", warmup=120.0, duration=120.0,
-                                agents=1 / 48, t_learn=120.0, t_win=60.0, m=4, hold_off=10.0)
-
 
 def test_ratios_read_above_one_as_evinfra_better() -> None:
     assert higher(2.0, 1.0) == 2.0 and lower(1.0, 4.0) == 4.0
     assert lower(0.0, 1.0) is None and higher(1.0, 0.0) is None
-
-
-@pytest.fixture(scope="module")
-def template():
-    """One micro outcome, to stand for a sweep's outcomes with made-up throughputs."""
-    config = load_config("etc/cluster.toml")
-    plan = EXPERIMENTS["fig2a"].plans(config, msgspec.structs.replace(MICRO, sweep=(2,)), 1)[0]
-    return run_plans([plan], jobs=1)[plan.key]
 
 
 def swept(plans, template, best: int) -> dict:

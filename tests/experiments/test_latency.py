@@ -4,6 +4,7 @@ fig7 (``--latency-rule``) within the issue's budget."""
 
 from __future__ import annotations
 
+import micro
 import msgspec
 import pytest
 from test_experiments import swept
@@ -16,9 +17,7 @@ from evinfra.experiments.runs import run_plans as play
 from evinfra.experiments.scale import QUICK
 from evinfra.planner.planner import predict
 
-MICRO = msgspec.structs.replace(QUICK, name="micro", warmup=120.0, duration=120.0,
-                                agents=1 / 48, t_learn=120.0, t_win=60.0, m=4, hold_off=10.0,
-                                sweep=(2, 4))
+MICRO = msgspec.structs.replace(micro.MICRO, sweep=(2, 4))
 CONFIG = load_config("etc/cluster.toml")
 
 

@@ -4,13 +4,12 @@ targets at every rate played."""
 from __future__ import annotations
 
 import msgspec
+from micro import MICRO
 
 from evinfra.config import load_config
 from evinfra.experiments import EXPERIMENTS
 from evinfra.experiments.scale import QUICK
 from evinfra.experiments.table_d2 import RATES, sustained
-
-from test_experiments import MICRO, template  # noqa: F401  (the fixture)
 
 
 def test_rates_go_past_the_papers_until_every_system_fails():
@@ -19,7 +18,7 @@ def test_rates_go_past_the_papers_until_every_system_fails():
     assert {f"{r:g}-dynamo" for r in RATES} <= keys
 
 
-def _outcome(template, key: str, p95_ttft: float):  # noqa: F811
+def _outcome(template, key: str, p95_ttft: float):
     s = template.summary
     summary = msgspec.structs.replace(
         s, ttft=msgspec.structs.replace(s.ttft, p50=1.0, p95=p95_ttft),
@@ -28,7 +27,7 @@ def _outcome(template, key: str, p95_ttft: float):  # noqa: F811
     return msgspec.structs.replace(template, key=key, summary=summary, runner=runner)
 
 
-def test_a_rate_met_after_a_failed_one_is_not_sustained(template):  # noqa: F811
+def test_a_rate_met_after_a_failed_one_is_not_sustained(template):
     """evinfra meets P95 TTFT <= 15 s up to 2.0, fails at 2.5 and meets it again at 3.0 (a
     noisy run): its highest sustained rate is 2.0, not 3.0. Static meets every rate (the
     control: the last rate played)."""

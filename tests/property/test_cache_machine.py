@@ -2,8 +2,9 @@
 
 Both caches (``evinfra.drivers.fake.cache.NodeCache`` over ``evinfra/native/src/cache.cpp``,
 and ``tests/drivers/fake/reference_cache.py``) get the same random operations: inserts of
-paths that share prefixes and fork, pins taken, grown and released, room made and reserved,
-count hints (positive, zero, both, resyncs), and clears. Simulated time often stands still,
+paths that share prefixes and fork, host-only stores (a peer fetch without L1 room), pins
+taken, grown and released, room made and reserved, count hints (positive, zero, both,
+resyncs), and clears. Simulated time often stands still,
 so the L1 heap's tie-breaks (access, depth, push order) and the host order's regrouping are
 exercised. After every step the KV events, the return values, the counters, every path's
 prefixes per tier, the held blocks and the host eviction order must be the same.
@@ -102,6 +103,14 @@ class CacheMachine(RuleBasedStateMachine):
     def insert_whole(self, i: int, dt: int) -> None:
         """The common case, weighted up: a request's whole path."""
         self.insert(i, 0, dt)
+
+    @rule(i=st.integers(0, MAX_PATHS), drop=st.integers(0, 12), dt=st.integers(0, 2))
+    def store_host(self, i: int, drop: int, dt: int) -> None:
+        """``path[:n]`` into host memory only (a peer fetch that found no L1 room)."""
+        STEPS["n"] += 1
+        p = self._path(i)
+        tokens = np.arange(len(p) * PAGE, dtype=np.uint32)
+        self._both("store_host", p, max(0, len(p) - drop), tokens, self._tick(dt))
 
     @precondition(lambda self: len(self.pins) < 3)  # more would pin most of a small cache
     @rule(i=st.integers(0, MAX_PATHS), cut=st.floats(0, 1), dt=st.integers(0, 2))
@@ -220,8 +229,16 @@ class _LeafLast(NodeCache):
             self.order.apply_hints(delta)
 
 
-@pytest.mark.parametrize("make", [_hides_host_evictions, _IgnoresZeroHints, _LeafLast],
-                         ids=["hides_host_evictions", "ignores_zero_hints", "leaf_last"])
+class _HostStoreInL1(NodeCache):
+    """Lands a host-only store in L1 too, as the fake engine's fetch did before."""
+
+    def store_host(self, path, n, tokens, now):  # noqa: ANN001, ANN201
+        k = self.prefix(path, n)
+        return self.insert(path, n, tokens, now).resident - k
+
+
+@pytest.mark.parametrize("make", [_hides_host_evictions, _IgnoresZeroHints, _LeafLast, _HostStoreInL1],
+                         ids=["hides_host_evictions", "ignores_zero_hints", "leaf_last", "host_store_in_l1"])
 def test_the_machine_catches_a_broken_cache(make) -> None:  # noqa: ANN001
     class Mutant(CacheMachine):
         pass

@@ -13,7 +13,8 @@ Invariants (``check_invariants``):
 * each tier is prefix-closed: a block in L1 (L2) has its parent block in L1 (L2), because
   eviction only takes leaves. The longest cached prefix is therefore a binary search;
 * write-through: blocks enter L2 together with L1 unless L2 has no room (then they are
-  L1-only, and L1 eviction drops them);
+  L1-only, and L1 eviction drops them); only ``store_host`` (a peer fetch without L1 room)
+  enters blocks in L2 alone;
 * L1 eviction is LRU over unpinned L1 leaves, deeper first on ties (a touched path gets one
   time, so leaves go before their prefix, like SGLang's leaf-first eviction), then the order
   they became candidates in; it drops the GPU copy only;
@@ -181,6 +182,22 @@ class NodeCache:
                 emit(BlockStored(list(path[a:b]), path[a - 1] if a else None,
                                  tokens[a * page:b * page], page, medium=medium))
         return InsertResult(stop1, max(0, min(k, stop1) - l1p), max(0, stop1 - k))
+
+    def store_host(self, path: Sequence[BlockHash], n: int, tokens: np.ndarray,
+                   now: float) -> int:
+        """Hold ``path[:n]`` in host memory only: a peer fetch that finds no L1 room lands in
+        the host tier, as the SGLang engine's fetch does (``engine_patch/fetch.py``), and the
+        request's admission loads it back. Held L1-only blocks are written through, new ones
+        stored host-only, as L2 room allows (left out from the end). Returns the blocks new
+        to this node."""
+        k, l2p, stop2, gone2 = self._tree.store_host(path, n, now)
+        if gone2:
+            self._emit(BlockRemoved(gone2, medium=_CPU))
+        if stop2 > l2p:
+            page = self.page
+            self._emit(BlockStored(list(path[l2p:stop2]), path[l2p - 1] if l2p else None,
+                                   tokens[l2p * page:stop2 * page], page, medium=_CPU))
+        return max(0, stop2 - k)
 
     # -- hints ------------------------------------------------------------------------------
 

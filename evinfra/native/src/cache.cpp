@@ -256,6 +256,52 @@ class Cache {
     return r;
   }
 
+  // Host copies only: what a peer fetch brings when L1 has no room for it (the pages land in
+  // host slots, as the SGLang engine's do; the request's admission loads them back). Held
+  // L1-only blocks of path[:n] are written through, new ones stored as host-only segments,
+  // as L2 room allows, from the front.
+  struct Stored {
+    int64_t k, l2p, stop2;
+    Hashes removed_l2;
+  };
+
+  Stored store_host(const HashSeq& path, int64_t n, double now) {
+    check_count(path, n);
+    now_arg(now);
+    Stored r{};
+    const int64_t k = prefix(path, n);
+    const Hashes fresh = path.slice(static_cast<size_t>(k), static_cast<size_t>(n));
+    claim(fresh);
+    try {
+      lock_up(boundary(path, k), 0, now);  // host eviction must not take the chain we extend
+      r.l2p = tier_prefix(path, k, false);
+      r.stop2 = r.l2p + room_l2(n - r.l2p, r.removed_l2);
+      for (int32_t s : range(path, r.l2p, std::min(k, r.stop2))) {
+        segs_[s].l2 = true;
+        l2_blocks_ += len(s);
+      }
+      if (r.stop2 > k) {
+        const int32_t s = alloc();
+        Seg& seg = segs_[s];
+        seg.hashes.assign(fresh.begin(), fresh.begin() + (r.stop2 - k));
+        seg.depth = k;
+        seg.l2 = true;
+        seg.access = now;
+        add_child(boundary(path, k), s);
+        for (Hash h : seg.hashes) seg_of_.insert_or_assign(h, s);
+        l2_blocks_ += len(s);
+        order_add(s);
+      }
+    } catch (...) {
+      unclaim(fresh);
+      throw;
+    }
+    for (int64_t j = std::max(k, r.stop2); j < n; ++j) seg_of_.erase(fresh[j - k]);  // no room
+    unlock_up(path, k, now);
+    r.k = k;
+    return r;
+  }
+
   // -- hints --------------------------------------------------------------------------------
 
   void apply_hints(const Hashes& positive, const Hashes& zero, bool replace) {
@@ -855,6 +901,15 @@ void bind_cache(nb::module_& m) {
           nb::arg("path"), nb::arg("n"), nb::arg("now"),
           "(held prefix, L1 prefix, L1 end, L2 prefix, L2 end, blocks removed from L1, "
           "blocks removed from L2)")
+      .def(
+          "store_host",
+          [](Cache& c, nb::handle path, int64_t n, double now) {
+            HostOrder::Busy busy(c.order());
+            Cache::Stored r = c.store_host(HashSeq(path), n, now);
+            return nb::make_tuple(r.k, r.l2p, r.stop2, r.removed_l2);
+          },
+          nb::arg("path"), nb::arg("n"), nb::arg("now"),
+          "(held prefix, L2 prefix, L2 end, blocks removed from L2)")
       .def(
           "apply_hints",
           [](Cache& c, nb::handle positive, nb::handle zero, bool replace) {

@@ -324,6 +324,34 @@ class NodeCache:
         self.unlock(path, k, now)
         return InsertResult(stop1, max(0, min(k, stop1) - l1p), max(0, stop1 - k))
 
+    def store_host(self, path: Sequence[BlockHash], n: int, tokens: np.ndarray,
+                   now: float) -> int:
+        """Hold ``path[:n]`` in host memory only (a peer fetch without L1 room): held L1-only
+        blocks written through, new ones stored host-only, as L2 room allows (left out from
+        the end). Returns the blocks new to this node. (Added with the native one; not in
+        the cache the native core replaced.)"""
+        page = self.page
+        k = self.prefix(path, n)
+        self.lock(path, k, now)  # host eviction must not take the chain we extend
+        l2p = self.tier_prefix(path, k, Tier.L2)
+        stop2 = l2p + self._room_l2(n - l2p)
+        for seg in self._range(path, l2p, min(k, stop2)):
+            seg.l2 = True
+            self.l2_blocks += len(seg.hashes)
+        if stop2 > k:
+            parent = self._boundary(path, k)
+            seg = _Seg(list(path[k:stop2]), k, parent, False, True, 0, now)
+            parent.children[seg.hashes[0]] = seg
+            for h in seg.hashes:
+                self._seg_of[h] = seg
+            self.l2_blocks += len(seg.hashes)
+            self._order_add(seg)
+        if stop2 > l2p:
+            self._emit(BlockStored(list(path[l2p:stop2]), path[l2p - 1] if l2p else None,
+                                   tokens[l2p * page:stop2 * page], page, medium=_CPU))
+        self.unlock(path, k, now)
+        return max(0, stop2 - k)
+
     def _new(self, parent: _Seg, hashes: list[BlockHash], depth: int, l2: bool,
              now: float) -> _Seg:
         seg = _Seg(hashes, depth, parent, True, l2, 0, now)

@@ -241,3 +241,27 @@ def test_own_blocks_evicted_while_queued_are_fetched_from_the_backing_peer(backe
     done = h.one(PrefillDone, request="r")
     assert (done.cached, done.fetched) == ((k * PAGE, k * PAGE) if backed else (0, 0)), done
     h.check()
+
+
+def test_a_fetch_without_gpu_room_lands_in_host_memory() -> None:
+    """p0's GPU memory is held by a long prefill when r's fetch lands: the part that finds no
+    L1 room stays in p0's host memory (as the SGLang engine's fetch puts it there) and is
+    loaded back when r is admitted, so r reuses all of it and each block is restored once.
+    Before, the blocks without L1 room were dropped and recomputed."""
+    h = Harness(THREE, l1_tokens=60_000, l2_tokens=400_000)
+    base = _seed_peer(h, 20_000)
+    t0 = h.clock.now()
+    h.submit("long", tokens(55_000, seed=3))
+    t = tokens(21_000, base=base)
+    k = 20_000 // PAGE
+    h.submit("r", t, fetch=[FetchRun("p1", 0, path(t)[:k])])
+    h.run(t0 + 0.5)
+    c = h.engines["p0"].cache
+    assert not h.of(PrefillStarted, request="r")  # landed while long still computes
+    assert 0 < c.l1_prefix(path(t)) < k == c.l2_prefix(path(t))
+    h.run(t0 + 30)
+    done = h.one(PrefillDone, request="r")
+    assert (done.cached, done.fetched, done.computed) == (k * PAGE, k * PAGE, 21_000 - k * PAGE)
+    assert [c for c in chunks(h) if c[0][0] == "r"][0][0] == ("r", 21_000 - k * PAGE,
+                                                              k * PAGE, k * PAGE)
+    h.check()

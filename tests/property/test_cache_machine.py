@@ -4,10 +4,10 @@ Both caches (``evinfra.drivers.fake.cache.NodeCache`` over ``evinfra/native/src/
 and ``tests/drivers/fake/reference_cache.py``) get the same random operations: inserts of
 paths that share prefixes and fork, host-only stores (a peer fetch without L1 room), pins
 taken, grown and released, room made and reserved, count hints (positive, zero, both,
-resyncs), and clears. Simulated time often stands still,
-so the L1 heap's tie-breaks (access, depth, push order) and the host order's regrouping are
-exercised. After every step the KV events, the return values, the counters, every path's
-prefixes per tier, the held blocks and the host eviction order must be the same.
+resyncs), and clears. Simulated time often stands still, so the L1 heap's tie-breaks (access,
+depth, push order) and the host order's regrouping are exercised. After every step the KV
+events, the return values, the counters, every path's prefixes per tier, the held blocks and
+the host eviction order must be the same.
 """
 
 from __future__ import annotations
@@ -230,15 +230,17 @@ class _LeafLast(NodeCache):
 
 
 class _HostStoreInL1(NodeCache):
-    """Lands a host-only store in L1 too, as the fake engine's fetch did before."""
+    """Stores as ``insert`` does, in L1 with L2, dropping what finds no L1 room: the fake
+    engine's fetch before ``store_host``."""
 
     def store_host(self, path, n, tokens, now):  # noqa: ANN001, ANN201
         k = self.prefix(path, n)
         return self.insert(path, n, tokens, now).resident - k
 
 
-@pytest.mark.parametrize("make", [_hides_host_evictions, _IgnoresZeroHints, _LeafLast, _HostStoreInL1],
-                         ids=["hides_host_evictions", "ignores_zero_hints", "leaf_last", "host_store_in_l1"])
+@pytest.mark.parametrize(
+    "make", [_hides_host_evictions, _IgnoresZeroHints, _LeafLast, _HostStoreInL1],
+    ids=["hides_host_evictions", "ignores_zero_hints", "leaf_last", "host_store_in_l1"])
 def test_the_machine_catches_a_broken_cache(make) -> None:  # noqa: ANN001
     class Mutant(CacheMachine):
         pass

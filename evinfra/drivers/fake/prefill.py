@@ -117,7 +117,7 @@ class PrefillSide:
         if res.resident < target:
             added += self.cache.store_host(path, target, rec.tokens, now)
         rec.fetched = added
-        rec.restored += res.restored + res.added  # the host-only part: at admission
+        rec.restored += res.restored + res.added  # host-only blocks: when admission loads them
         rec.fetch = False
         return added
 

@@ -27,10 +27,16 @@ candidate with ``p`` prefill nodes ``π[:p]`` and decode nodes ``π[p:]`` (the o
   concave in ``B``, so the iterates increase to the least fixed point when there is one, that
   is when ``a·d2 < 1`` (``a = λ·n_iter/|D|``; ``φ ≤ 1``). ``TPOT = T_D^iter(B)/t_acc`` and the
   decode takes ``n_iter·T_D^iter(B)``.
-* ``E2E = TTFT + n_iter·T_D^iter(B)``, ``inf`` where the decode has no fixed point (or, with an
-  infinite source, ``ρ ≥ 1``).
+* **Decode KV.** A decode node runs at most ``K = kv_tokens/kv̄`` requests (what its GPU KV
+  holds, as in Θ: ``planner.py`` ``_theta``), ``K`` the candidate's decode nodes' mean. The
+  fixed point is the population in decode that serves ``λ``; where it exceeds ``K`` the decode
+  side cannot serve ``λ`` (``a·T_D^iter(K) > K`` then, since the least fixed point is where
+  ``a·T_D^iter(B) − B`` turns negative) and the candidate does not keep up.
+* ``E2E = TTFT + n_iter·T_D^iter(B)``, ``inf`` where the decode has no fixed point within ``K``
+  (or, with an infinite source, ``ρ ≥ 1``).
 * **Capacity**: the largest multiple of the slice's rate the candidate keeps up with,
-  ``min(μ_P/λ, 1/(a·d2))``; it *keeps up* in the slice when that exceeds 1.
+  ``min(μ_P/λ, 1/(a·d2), K/(a·T_D^iter(K)))``; it *keeps up* in the slice when that exceeds
+  1.
 
 Queueing for a decode slot and the P->D transfer are left out: they do not depend on the
 split the way the two queues above do. The estimate is a model, not a measurement: the
@@ -129,14 +135,16 @@ def _finite_wait(lam: float, total: float, c: int, n: int) -> tuple[float, float
 
 def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.ndarray,
                 t_acc: np.ndarray, k_over_e: float, t_fwd: float, *,
-                sources: np.ndarray | None = None, batch: np.ndarray | None = None) -> Latency:
+                sources: np.ndarray | None = None, batch: np.ndarray | None = None,
+                cap: np.ndarray | None = None) -> Latency:
     """The module docstring's estimate for ``p = 1..N−1``.
 
     ``mu_p``: ``(m, N)``, each node's prefill rate ``1/T_P^req(w̄_i)`` in the order π;
     ``d``: ``(3, N)``, each node's ``d0, d1, d2`` in that order; ``rate``, ``n_iter``,
     ``t_acc``: ``(m,)``; ``sources``: ``(m,)``, the active sources ``N_i`` (None: an infinite
     source); ``batch``: ``(m, N−1)``, the most requests a candidate's prefill iteration takes,
-    ``t̄/t_uc`` (None: one)."""
+    ``t̄/t_uc`` (None: one); ``cap``: ``(m, N−1)``, the requests a candidate's decode node
+    holds in GPU KV, ``K`` (None, or inf: no bound)."""
     m, n = mu_p.shape
     c = np.arange(1, n, dtype=float)
     total = np.cumsum(mu_p, axis=1)[:, :-1]  # μ_P of each candidate
@@ -173,10 +181,18 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
         if (step <= _TOLERANCE * np.maximum(B, 1.0)).all():
             break
     settled = np.abs(a * t_iter - B) <= 1e-6 * np.maximum(B, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        decode_capacity = np.where(settled, 1.0 / (a * d2), np.minimum(1.0 / (a * d2), 1.0))
+    if cap is not None:
+        bounded = np.isfinite(cap)
+        k = np.where(bounded, cap, 0.0)
+        t_k = d0 + d1 * phi(k, k_over_e, t_fwd) + d2 * k
+        settled &= ~bounded | (B <= cap * (1.0 + 1e-9))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            decode_capacity = np.minimum(decode_capacity,
+                                         np.where(bounded, k / (a * t_k), np.inf))
     decode = np.where(settled, n_iter[:, None] * t_iter, np.inf)
     tpot = np.where(settled, t_iter / t_acc[:, None], np.inf)
-    with np.errstate(divide="ignore"):
-        decode_capacity = np.where(settled, 1.0 / (a * d2), np.minimum(1.0 / (a * d2), 1.0))
     capacity = np.minimum(total / lam, decode_capacity)
     return Latency(wait=wait, service=service, prefill=prefill, ttft=ttft, tpot=tpot,
                    e2e=ttft + decode, capacity=capacity)

@@ -325,13 +325,20 @@ def _work(slices: Sequence[SliceWork]) -> dict[str, np.ndarray]:
 
 def _latency(ranked: _Arrays, w: dict[str, np.ndarray], sources: np.ndarray | None) -> Latency:
     """:func:`~evinfra.planner.latency.predict_e2e` of every candidate, ``ranked`` in the
-    order π; a prefill iteration takes up to the candidate's prefill nodes' mean t̄ tokens."""
+    order π; a prefill iteration takes up to the candidate's prefill nodes' mean t̄ tokens,
+    a decode node runs at most the mean over its candidate's decode nodes of what their GPU
+    KV holds (``kv_tokens/kv̄``, as in :func:`_theta`; inf where a node reported none)."""
     mu_p = 1.0 / ranked.t_p_req(w["t_uc"], w["A"], w["t_c"])
     d = np.stack([ranked.d0, ranked.d1, ranked.d2])
-    t_bar = np.cumsum(ranked.t_bar)[:-1] / np.arange(1, len(ranked.t_bar))
+    n = len(ranked.t_bar)
+    t_bar = np.cumsum(ranked.t_bar)[:-1] / np.arange(1, n)
+    kv = w["kv"][:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cap = _over_decode(np.add, np.where(kv > 0, ranked.kv[None, :] / kv, np.inf))
     return predict_e2e(mu_p, d, w["requests"] / w["length"], w["n_iter"], w["t_acc"],
                        ranked.k_over_e, ranked.t_fwd, sources=sources,
-                       batch=t_bar[None, :] / w["t_uc"][:, None])
+                       batch=t_bar[None, :] / w["t_uc"][:, None],
+                       cap=cap / (n - np.arange(1, n)))
 
 
 def _sources(slices: Sequence[SliceWork], sources: Sequence[float] | None) -> np.ndarray | None:

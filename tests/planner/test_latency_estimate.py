@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 from planner_fakes import OSWORLD, make_cluster
-from test_latency_rule import NAMES, homogeneous, window
+from test_latency_rule import NAMES, homogeneous, slice_of, window
 
 from evinfra.core.events import RequestDone
 from evinfra.planner import Split
@@ -117,3 +117,37 @@ def test_the_planner_measures_its_sources_and_decides_with_them(monkeypatch):
     # The next window counts afresh.
     c.window([OSWORLD] * p.config.m)
     assert p.sources is None
+
+
+def test_a_decode_node_runs_at_most_what_its_gpu_kv_holds():
+    """One decode node, T_D^iter(B) = 10 ms + 1 ms·B, 100 iterations per request, 5 req/s:
+    the population that serves the rate is B* = 500·0.01/(1 − 0.5) = 10. A node that holds
+    20 keeps the estimate as without a bound; one that holds 8 cannot serve the rate
+    (E2E inf, capacity 8/(500·0.018) < 1). The control, no bound, keeps up."""
+    d = np.array([[0.01, 0.01], [0.0, 0.0], [0.001, 0.001]])
+    args = (np.array([[100.0, 100.0]]), d, np.array([5.0]), *ONE)
+    free = predict_e2e(*args)
+    assert np.isfinite(free.e2e[0, 0]) and free.capacity[0, 0] == pytest.approx(1 / 0.5)
+    roomy = predict_e2e(*args, cap=np.array([[20.0]]))
+    assert roomy.e2e[0, 0] == free.e2e[0, 0] and roomy.tpot[0, 0] == free.tpot[0, 0]
+    assert roomy.capacity[0, 0] == pytest.approx(20 / (500 * 0.03))  # B* = 20 at 4/3 the rate
+    tight = predict_e2e(*args, cap=np.array([[8.0]]))
+    assert np.isinf(tight.e2e[0, 0]) and np.isinf(tight.tpot[0, 0])
+    assert tight.capacity[0, 0] == pytest.approx(8 / (500 * 0.018))
+    assert predict_e2e(*args, cap=np.array([[np.inf]])).e2e[0, 0] == free.e2e[0, 0]
+
+
+def test_the_planner_bounds_each_candidates_decode_by_its_nodes_gpu_kv():
+    """4 req/s of 203K-token contexts: a GB300 node's 2.06M tokens hold 10 of them, so 8P1D's
+    one decode node cannot serve the rate (Θ's bound, ``planner.py`` ``_theta``) and 7P2D
+    can. The control, nodes that report no capacity: 8P1D keeps up."""
+    names = [f"n{i}" for i in range(9)]
+    slices = [slice_of([(3000, 200_000, 300)] * 240, 50, 60.0 * i) for i in range(10)]
+    split = Split.of(names, names[:6])
+    _, free = predict(homogeneous(9), split, slices)
+    gb300 = [msgspec.structs.replace(x, kv_tokens=2_060_000) for x in homogeneous(9)]
+    _, bound = predict(gb300, split, slices)
+    assert np.isfinite(free.e2e[:, 7]).all() and (free.capacity[:, 7] > 4).all()
+    assert np.isinf(bound.e2e[:, 7]).all() and (bound.capacity[:, 7] < 1).all()
+    assert np.isfinite(bound.e2e[:, 6]).all() and (bound.capacity[:, 6] > 1).all()
+    assert (bound.e2e[:, :7] == free.e2e[:, :7]).all()

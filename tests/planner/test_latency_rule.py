@@ -23,7 +23,8 @@ def slice_of(requests, q: float, start: float) -> SliceWork:
     t_uc, t_c, t_out = np.array(requests, dtype=float).T
     return SliceWork(start=start, length=60.0, requests=len(requests), t_uc=float(t_uc.mean()),
                      A=float(qk_pairs(t_uc, t_c).mean()), t_c=float(t_c.mean()),
-                     t_out=float(t_out.mean()), t_acc=1.8, q=float(q), n=float(q))
+                     t_out=float(t_out.mean()), t_acc=1.8, q=float(q), n=float(q),
+                     kv=float(((t_uc + t_c + t_out) * t_out).sum() / t_out.sum()))
 
 
 def window(rng: np.random.Generator, per_slice: tuple[int, int]) -> list[SliceWork]:

@@ -18,8 +18,12 @@ candidate with ``p`` prefill nodes ``π[:p]`` and decode nodes ``π[p:]`` (the o
   ``S·ρ^(√(2(c+1)) − 1) / (c(1 − ρ))``, and ``inf`` when ``ρ ≥ 1``.
 * **Batched prefill.** A node prefills the requests waiting for it together, in chunked
   iterations of up to ``t̄`` uncached tokens (the nodes' mean ``t̄_n``, Eq. 3): a request's
-  prefill takes its batch's time, ``b·S`` with ``b = 1 + L_q/c`` requests (itself and those
-  waiting per node), at most ``t̄/t_uc``. ``TTFT = W_q + b·S``.
+  prefill takes the time of the iterations its chunks run in, its own work and that of the
+  requests packed with it, ``b·S`` with ``b = 1 + L_q/c`` (itself and those waiting per
+  node), at most ``1 + t̄/t_uc``: behind a backed-up queue a request starts at a uniform
+  offset in a full iteration and spans ``1 + t_uc/t̄`` of them, its neighbours' chunks filling
+  one iteration's ``t̄`` tokens of its first and last (OSWorld's closed loop: ``t_uc`` ≈ 7K
+  tokens take 2.2 ``S``, where a cap of ``t̄/t_uc`` said 1.2). ``TTFT = W_q + b·S``.
 * **Decode (TPOT, E2E).** A request runs ``n_iter = t_out/t_acc`` decode iterations. The
   requests in decode spread evenly over the ``|D|`` decode nodes, ``B = q/|D|``, and Little's
   law ``q = λ·n_iter·T_D^iter(B)`` (Eq. 2 with the decode nodes' mean coefficients) is solved
@@ -142,8 +146,8 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
     ``mu_p``: ``(m, N)``, each node's prefill rate ``1/T_P^req(w̄_i)`` in the order π;
     ``d``: ``(3, N)``, each node's ``d0, d1, d2`` in that order; ``rate``, ``n_iter``,
     ``t_acc``: ``(m,)``; ``sources``: ``(m,)``, the active sources ``N_i`` (None: an infinite
-    source); ``batch``: ``(m, N−1)``, the most requests a candidate's prefill iteration takes,
-    ``t̄/t_uc`` (None: one); ``cap``: ``(m, N−1)``, the requests a candidate's decode node
+    source); ``batch``: ``(m, N−1)``, the requests a candidate's prefill iteration takes,
+    ``t̄/t_uc`` (None: no batching, a prefill takes ``S``); ``cap``: ``(m, N−1)``, the requests a candidate's decode node
     holds in GPU KV, ``K`` (None, or inf: no bound)."""
     m, n = mu_p.shape
     c = np.arange(1, n, dtype=float)
@@ -165,7 +169,7 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
         prefill = service
     else:
         per_node = 1.0 + np.where(np.isfinite(queued), queued, 0.0) / c
-        prefill = np.clip(per_node, 1.0, np.maximum(batch, 1.0)) * service
+        prefill = np.minimum(per_node, 1.0 + batch) * service
     ttft = wait + prefill
 
     size = n - c  # |D|

@@ -59,16 +59,24 @@ def test_a_prefill_takes_its_batchs_time():
     lq = heavy.wait[0, 0] * 0.7
     assert 2.0 > lq > 1.0 and heavy.prefill[0, 0] == pytest.approx(1.0 + lq)
     assert heavy.ttft[0, 0] == pytest.approx(heavy.wait[0, 0] + heavy.prefill[0, 0])
+    # L_q ≈ 7 waiting: behind a backed-up queue a prompt of a quarter of t̄ shares its
+    # iteration with 3 others and, starting at a uniform offset, spans 1 + 1/4 of them
+    # (its neighbours fill one iteration's t̄): (1 + 4)·S. A prompt of two t̄ spans 3 (1.5 S).
     capped = one_prefill_node(0.99, sources=np.array([20.0]), batch=np.array([[4.0]]))
-    assert capped.prefill[0, 0] == 4.0  # L_q ≈ 7 waiting, at most 4 per iteration
+    assert capped.prefill[0, 0] == 5.0
+    long = one_prefill_node(0.99, sources=np.array([20.0]), batch=np.array([[0.5]]))
+    assert long.prefill[0, 0] == 1.5
+    alone = one_prefill_node(0.01, sources=np.array([20.0]), batch=np.array([[0.5]]))
+    assert alone.prefill[0, 0] == pytest.approx(1.0, abs=1e-3)  # no queue: its own S
     unbatched = one_prefill_node(0.9, sources=np.array([20.0]))
     assert unbatched.prefill[0, 0] == unbatched.service[0, 0] == 1.0
 
 
 def test_the_planner_batches_up_to_its_prefill_nodes_mean_t_bar():
     """``predict`` passes each candidate's prefill nodes' mean t̄ over the slice's t_uc as the
-    batch cap. At 1P a queue forms: prompts of ~2.3K tokens share 8,192-token iterations,
-    prompts of ~9K fill them alone."""
+    batch. At 1P a queue forms: prompts of ~2.3K tokens share 8,192-token iterations with
+    several others, prompts of ~9K share only their first and last iteration (at most
+    ``1 + t̄/t_uc`` < 2 of their own time)."""
     slices = window(np.random.default_rng(0), (290, 310))
     split = Split.of(NAMES, NAMES[:2])
     sources = [400.0] * len(slices)
@@ -76,10 +84,15 @@ def test_the_planner_batches_up_to_its_prefill_nodes_mean_t_bar():
     short = np.array([s.t_uc < 8192 for s in slices])
     assert short.sum() == 5 and (lat.wait[:, 0] > 0.1 * lat.service[:, 0]).all()
     assert (lat.prefill[short, 0] > 1.1 * lat.service[short, 0]).all()
-    np.testing.assert_array_equal(lat.prefill[~short, 0], lat.service[~short, 0])
-    one = [msgspec.structs.replace(x, t_bar=1.0) for x in homogeneous(9)]  # t̄ < every t_uc
+    assert (lat.prefill[~short, 0] > lat.service[~short, 0]).all()
+    assert (lat.prefill[~short, 0] < 2 * lat.service[~short, 0]).all()
+    lq = lat.wait[:, 0] * np.array([s.requests / s.length for s in slices])  # one node: c = 1
+    t_uc = np.array([s.t_uc for s in slices])
+    np.testing.assert_allclose(lat.prefill[:, 0],
+                               np.minimum(1 + lq, 1 + 8192 / t_uc) * lat.service[:, 0])
+    one = [msgspec.structs.replace(x, t_bar=1.0) for x in homogeneous(9)]  # t̄ ≪ every t_uc
     _, unbatched = predict(one, split, slices, sources)
-    np.testing.assert_array_equal(unbatched.prefill, unbatched.service)
+    np.testing.assert_allclose(unbatched.prefill, unbatched.service, rtol=1e-3)
     with pytest.raises(ValueError, match="3 source counts for 10 slices"):
         predict(homogeneous(9), split, slices, [1.0, 2.0, 3.0])
 

@@ -39,8 +39,8 @@ candidate with ``p`` prefill nodes ``π[:p]`` and decode nodes ``π[p:]`` (the o
 * ``E2E = TTFT + n_iter·T_D^iter(B)``, ``inf`` where the decode has no fixed point within ``K``
   (or, with an infinite source, ``ρ ≥ 1``).
 * **Capacity**: the largest multiple of the slice's rate the candidate keeps up with,
-  ``min(μ_P/λ, 1/(a·d2), K/(a·T_D^iter(K)))``; it *keeps up* in the slice when that exceeds
-  1.
+  ``min(μ_P/λ, 1/(a·d2), K/(a·T_D^iter(K)))``; it *keeps up* in the slice when that is
+  above 1.
 
 Queueing for a decode slot and the P->D transfer are left out: they do not depend on the
 split the way the two queues above do. The estimate is a model, not a measurement: the
@@ -147,8 +147,8 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
     ``d``: ``(3, N)``, each node's ``d0, d1, d2`` in that order; ``rate``, ``n_iter``,
     ``t_acc``: ``(m,)``; ``sources``: ``(m,)``, the active sources ``N_i`` (None: an infinite
     source); ``batch``: ``(m, N−1)``, the requests a candidate's prefill iteration takes,
-    ``t̄/t_uc`` (None: no batching, a prefill takes ``S``); ``cap``: ``(m, N−1)``, the requests a candidate's decode node
-    holds in GPU KV, ``K`` (None, or inf: no bound)."""
+    ``t̄/t_uc`` (None: no batching, a prefill takes ``S``); ``cap``: ``(m, N−1)``, the
+    requests a candidate's decode node holds in GPU KV, ``K`` (None, or inf: no bound)."""
     m, n = mu_p.shape
     c = np.arange(1, n, dtype=float)
     total = np.cumsum(mu_p, axis=1)[:, :-1]  # μ_P of each candidate

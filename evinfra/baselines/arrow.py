@@ -35,7 +35,7 @@ import msgspec
 
 from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import IterationReport, NodeState, RequestDone
-from evinfra.core.types import NodeId, PosFloat
+from evinfra.core.types import BranchId, NodeId, PosFloat
 from evinfra.planner.itermodel import FitReport, NodeModel
 from evinfra.planner.planner import Decision, Planner, PlannerConfig, Split
 from evinfra.router.strategy import RouteView, Stateless
@@ -122,6 +122,9 @@ class SLOPlanner:
         pass
 
     def observe_state(self, state: NodeState) -> None:
+        pass
+
+    def observe_arrival(self, branch: BranchId, now: float) -> None:
         pass
 
     def observe_done(self, record: RequestDone) -> None:

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import IterationReport, NodeState, RequestDone
-from evinfra.core.types import NodeId
+from evinfra.core.types import BranchId, NodeId
 from evinfra.planner.itermodel import FitReport, NodeModel
 from evinfra.planner.planner import Decision, Split
 
@@ -56,6 +56,9 @@ class StaticPlanner:
         pass
 
     def observe_state(self, state: NodeState) -> None:
+        pass
+
+    def observe_arrival(self, branch: BranchId, now: float) -> None:
         pass
 
     def observe_done(self, record: RequestDone) -> None:

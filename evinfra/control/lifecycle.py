@@ -105,6 +105,7 @@ class Lifecycle:
         f.answer = guess.answer
         self.counters.submitted += 1
         self.ledger.add(f)
+        self.planner.observe_arrival(branch, now)
         self._population_changed()
         if isinstance(decision, Held):
             self.ledger.hold(f)

@@ -25,7 +25,7 @@ import structlog
 
 from evinfra.core.contracts import NodeLoad
 from evinfra.core.events import IterationReport, NodeState, RequestDone
-from evinfra.core.types import NodeId, NonNegFloat, PosFloat, PosInt
+from evinfra.core.types import BranchId, NodeId, NonNegFloat, PosFloat, PosInt
 from evinfra.errors import ConfigError
 from evinfra.planner.itermodel import FitReport, NodeFitter, NodeModel, phi, pool
 from evinfra.planner.latency import Latency, Sources, predict_e2e
@@ -150,6 +150,9 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """Which rule chose ``chosen`` ("none": nothing was chosen)."""
     e2e: list[float] = []
     """Predicted mean E2E of ``split`` on each usable slice, when the latency rule ran."""
+    sources: list[float] | None = None
+    """The active sources of every slice (:class:`~evinfra.planner.latency.Sources`), which
+    the latency rule's prefill queue holds at most; None: none seen, or the paper's rule."""
 
 
 # -- the decision ----------------------------------------------------------------------------
@@ -651,6 +654,9 @@ class SplitPlanner(Protocol):
 
     def observe_state(self, state: NodeState) -> None: ...
 
+    def observe_arrival(self, branch: BranchId, now: float) -> None:
+        """A request of ``branch`` was accepted at ``now`` (it ends with :meth:`observe_done`)."""
+
     def observe_done(self, record: RequestDone) -> None: ...
 
     def observe_loads(self, now: float, loads: "list[NodeLoad]") -> None:
@@ -708,6 +714,9 @@ class Planner:
         self.sources: list[float] | None = None
         """The active sources of each slice of the window last closed (the latency rule's
         finite source, :class:`~evinfra.planner.latency.Sources`; None: none seen)."""
+        self._in_flight: dict[BranchId, tuple[int, float]] = {}
+        """Branches with requests in flight: how many, and the earliest arrival among them
+        (a later one's, once the earliest ended, only while another was in flight)."""
         self._last_switch = -math.inf
         self._population = (0.0, 0.0)  # (q, n): requests in decode, in flight
         self._kv = dict.fromkeys(names, 0)  # GPU KV capacity each node last reported
@@ -747,11 +756,20 @@ class Planner:
         if state.l1_capacity > 0 and state.node in self._kv:
             self._kv[state.node] = state.l1_capacity
 
+    def observe_arrival(self, branch: BranchId, now: float) -> None:
+        """A request of ``branch`` was accepted: the branch is an active source while it is
+        in flight, also past the end of the window it arrived in."""
+        n, first = self._in_flight.get(branch, (0, now))
+        self._in_flight[branch] = (n + 1, min(first, now))
+
     def observe_done(self, record: RequestDone) -> None:
         """A request is over: its branch is an active source of the window (its work arrives
         through :meth:`observe_request`)."""
         if self._sources is not None:
             self._sources.add(record.branch, record.arrival, record.end)
+        n, first = self._in_flight.pop(record.branch, (0, 0.0))
+        if n > 1:
+            self._in_flight[record.branch] = (n - 1, first)
 
     def observe_loads(self, now: float, loads: "list[NodeLoad]") -> None:
         """Which nodes serve (not down, not cordoned): the next decision plans over those.
@@ -827,6 +845,8 @@ class Planner:
             if stand_ins:
                 decision = msgspec.structs.replace(
                     decision, reason=f"{decision.reason}; stand-in models: {stand_ins}")
+        if self.config.objective == "latency":
+            decision = msgspec.structs.replace(decision, sources=self.sources)
         # The whole decision (slices, per-slice gains) is served by the status API; the log
         # line carries what a reader scans for.
         log.info("planner_decision", at=now, split=decision.split.label,
@@ -858,7 +878,8 @@ class Planner:
     def _close(self) -> list[SliceWork]:
         assert self._window is not None and self._sources is not None
         slices = self._window.close()
-        self.sources = self._sources.per_slice()
+        self.sources = self._sources.per_slice(
+            {b: first for b, (_, first) in self._in_flight.items()})
         self._remeasure(self._window)
         return slices
 

@@ -36,3 +36,22 @@ def test_queued_requests_count_in_flight_and_decoding_ones_in_both():
     assert [s.q for s in decoding] == pytest.approx([6, 6])
     assert [s.n for s in decoding] == pytest.approx([6, 6])
     assert not any(s.finished for s in sinks)
+
+
+def test_requests_waiting_at_a_windows_end_make_their_branches_active_sources():
+    """The latency rule's finite source (``planner/latency.py``, ``Sources``): six agents'
+    requests wait behind stalled prefill nodes across the window's end. Each branch is
+    active from its request's arrival, half a second into the window, to the window's end.
+    Before the service told the planner of arrivals, only requests that ended in the window
+    counted: none here, and the rule took an infinite source."""
+    sim = VSim(planner={"t_learn": WARMUP, "adapt": True, "t_win": WINDOW, "m": 2,
+                        "hold_off": 0.0, "objective": "latency"})
+    decisions: list[Decision] = []
+    sim.service.bus.subscribe(Decision, decisions.append)
+    first_window_end = sim.service.status()["next_decision_at"]
+    for n in ("n0", "n1"):
+        sim.engines[n].stall()
+    for i in range(6):
+        sim.submit(f"r{i}", prompt(256, i), max_tokens=40_000)
+    sim.run_to(first_window_end)
+    assert decisions[-1].sources == pytest.approx([6 * (WINDOW / 2 - 0.5) / (WINDOW / 2), 6])

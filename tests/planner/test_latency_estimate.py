@@ -105,6 +105,12 @@ def test_sources_are_the_branches_active_in_each_slice():
     s.add("b", 120.0, 199.0)  # active 120-199
     s.add("c", 150.0, 210.0)  # ends after the window: another window's
     assert s.per_slice() == pytest.approx([1.0 + 0.2, 2.0, 1.0 + 0.4, 0.96])
+    # Requests in flight at the window's end keep their branches active to it: a from its
+    # first request (100), c from its waiting one (150), d, never done, from the start.
+    waiting = {"a": 170.0, "c": 150.0, "d": 80.0}
+    assert s.per_slice(waiting) == pytest.approx([2.2, 3.0, 4.0, 3.96])
+    assert s.per_slice() == pytest.approx([1.0 + 0.2, 2.0, 1.0 + 0.4, 0.96])  # unchanged
+    assert Sources(100.0, 200.0, 4).per_slice({"d": 150.0}) == pytest.approx([0, 0, 1, 1])
 
 
 def test_the_planner_measures_its_sources_and_decides_with_them(monkeypatch):
@@ -130,6 +136,38 @@ def test_the_planner_measures_its_sources_and_decides_with_them(monkeypatch):
     # The next window counts afresh.
     c.window([OSWORLD] * p.config.m)
     assert p.sources is None
+
+
+def test_a_branch_waiting_at_the_windows_end_stays_an_active_source():
+    """b0's second request arrives in the window's first slice and is still in flight when
+    the window closes: b0 is active to the window's end, and through the whole next window
+    while it waits. b1 (the control) sends no second request: it counts up to its request's
+    end only. The decision carries the sources the latency rule used."""
+    c = make_cluster(prefill=3, objective="latency")
+    c.warmup()
+    p = c.planner
+    m, start = p.config.m, p.window_end - p.config.t_win
+    dt = p.config.t_win / m
+
+    def done(branch: str, k: int, arrival: float, end: float) -> RequestDone:
+        return RequestDone(request=f"{branch}.{k}", branch=branch, arrival=arrival, end=end,
+                           status="ok", prompt_tokens=1, output_tokens=1)
+
+    for b in ("b0", "b1"):
+        p.observe_arrival(b, start)
+        p.observe_done(done(b, 0, start, start + dt / 2))
+    p.observe_arrival("b0", start + dt / 2)
+    c.window([OSWORLD] * m)
+    assert p.sources == pytest.approx([1.5] + [1.0] * (m - 1))
+    assert c.decisions[-1].sources == p.sources
+    c.window([OSWORLD] * m)
+    assert p.sources == pytest.approx([1.0] * m)
+    t = p.window_end - p.config.t_win
+    p.observe_done(done("b0", 1, start + dt / 2, t + dt / 4))
+    c.window([OSWORLD] * m)
+    assert p.sources == pytest.approx([0.25] + [0.0] * (m - 1))
+    c.window([OSWORLD] * m)
+    assert p.sources is None  # nothing in flight, nothing done: an infinite source
 
 
 def test_a_decode_node_runs_at_most_what_its_gpu_kv_holds():

@@ -215,14 +215,8 @@ class Cache {
   };
 
   Inserted insert(const HashSeq& path, int64_t n, double now) {
-    check_count(path, n);
-    now_arg(now);
     Inserted r{};
-    const int64_t k = prefix(path, n);
-    const Hashes fresh = path.slice(static_cast<size_t>(k), static_cast<size_t>(n));
-    claim(fresh);
-    try {
-      lock_up(boundary(path, k), 0, now);  // room-making must not evict the chain we extend
+    r.k = extend(path, n, now, [&](int64_t k, const Hashes& fresh) {
       r.l1p = tier_prefix(path, k, true);
       r.stop1 = r.l1p + room_l1(n - r.l1p, r.removed_l1);
       r.l2p = tier_prefix(path, k, false);
@@ -246,13 +240,8 @@ class Cache {
         const int64_t from = std::max(k, stop2);
         if (stop1 > from) new_seg(parent, Hashes(at(from), at(stop1)), from, false, now);
       }
-    } catch (...) {
-      unclaim(fresh);
-      throw;
-    }
-    for (int64_t j = std::max(k, r.stop1); j < n; ++j) seg_of_.erase(fresh[j - k]);  // no room
-    unlock_up(path, k, now);
-    r.k = k;
+      return stop1;
+    });
     return r;
   }
 
@@ -266,14 +255,8 @@ class Cache {
   };
 
   Stored store_host(const HashSeq& path, int64_t n, double now) {
-    check_count(path, n);
-    now_arg(now);
     Stored r{};
-    const int64_t k = prefix(path, n);
-    const Hashes fresh = path.slice(static_cast<size_t>(k), static_cast<size_t>(n));
-    claim(fresh);
-    try {
-      lock_up(boundary(path, k), 0, now);  // host eviction must not take the chain we extend
+    r.k = extend(path, n, now, [&](int64_t k, const Hashes& fresh) {
       r.l2p = tier_prefix(path, k, false);
       r.stop2 = r.l2p + room_l2(n - r.l2p, r.removed_l2);
       for (int32_t s : range(path, r.l2p, std::min(k, r.stop2))) {
@@ -292,13 +275,8 @@ class Cache {
         l2_blocks_ += len(s);
         order_add(s);
       }
-    } catch (...) {
-      unclaim(fresh);
-      throw;
-    }
-    for (int64_t j = std::max(k, r.stop2); j < n; ++j) seg_of_.erase(fresh[j - k]);  // no room
-    unlock_up(path, k, now);
-    r.k = k;
+      return r.stop2;
+    });
     return r;
   }
 
@@ -381,6 +359,29 @@ class Cache {
 
  private:
   int64_t len(int32_t s) const { return static_cast<int64_t>(segs_[s].hashes.size()); }
+
+  // A store of path[:n] past its held prefix k: the new blocks are claimed and the held chain
+  // pinned while ``body(k, fresh)`` makes room and stores; ``body`` returns where the stored
+  // blocks end (those past it found no room). Returns k.
+  template <class Body>
+  int64_t extend(const HashSeq& path, int64_t n, double now, Body body) {
+    check_count(path, n);
+    now_arg(now);
+    const int64_t k = prefix(path, n);
+    const Hashes fresh = path.slice(static_cast<size_t>(k), static_cast<size_t>(n));
+    claim(fresh);
+    int64_t stop;
+    try {
+      lock_up(boundary(path, k), 0, now);  // room-making must not evict the chain we extend
+      stop = body(k, fresh);
+    } catch (...) {
+      unclaim(fresh);
+      throw;
+    }
+    for (int64_t j = std::max(k, stop); j < n; ++j) seg_of_.erase(fresh[j - k]);  // no room
+    unlock_up(path, k, now);
+    return k;
+  }
   bool held(Hash h) const { return seg_of_.find(h) != seg_of_.end(); }
 
   // A path is a hash chain: its blocks past the held prefix are new, once each. They are

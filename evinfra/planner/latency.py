@@ -185,13 +185,18 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
     size = n - c  # |D|
     d0, d1, d2 = (np.cumsum(x[::-1])[::-1][1:] / size for x in d)  # decode nodes' means
     a = lam * n_iter[:, None] / size
+
+    def iter_time(b: np.ndarray) -> np.ndarray:
+        """T_D^iter at batch ``b`` with the decode nodes' mean coefficients (Eq. 2)."""
+        return d0 + d1 * phi(b, k_over_e, t_fwd) + d2 * b
+
     B = np.zeros((m, n - 1))  # noqa: N806
-    t_iter = d0 + d1 * phi(B, k_over_e, t_fwd) + d2 * B
+    t_iter = iter_time(B)
     for _ in range(_ITERATIONS):
         nxt = a * t_iter
         step = np.abs(nxt - B)
         B = nxt  # noqa: N806
-        t_iter = d0 + d1 * phi(B, k_over_e, t_fwd) + d2 * B
+        t_iter = iter_time(B)
         if (step <= _TOLERANCE * np.maximum(B, 1.0)).all():
             break
     settled = np.abs(a * t_iter - B) <= 1e-6 * np.maximum(B, 1.0)
@@ -200,7 +205,7 @@ def predict_e2e(mu_p: np.ndarray, d: np.ndarray, rate: np.ndarray, n_iter: np.nd
     if cap is not None:
         bounded = np.isfinite(cap)
         k = np.where(bounded, cap, 0.0)
-        t_k = d0 + d1 * phi(k, k_over_e, t_fwd) + d2 * k
+        t_k = iter_time(k)
         settled &= ~bounded | (B <= cap * (1.0 + 1e-9))
         with np.errstate(divide="ignore", invalid="ignore"):
             decode_capacity = np.minimum(decode_capacity,

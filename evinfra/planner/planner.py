@@ -188,6 +188,13 @@ class _Arrays:
     def t_d_iter(self, B: float) -> np.ndarray:  # noqa: N803
         return self.d0 + self.d1 * phi(B, self.k_over_e, self.t_fwd) + self.d2 * B
 
+    def caps(self, kv: np.ndarray) -> np.ndarray:
+        """``(m, N)``: the requests each node's GPU KV holds at each slice's ``kv̄``
+        (``kv_tokens/kv̄``; inf where the node reported no capacity or the slice has no kv̄)."""
+        kv = kv[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(kv > 0, self.kv[None, :] / kv, np.inf)
+
 
 def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     """Θ(π[:p], π[p:]; w̄_i, n̄_i) of Eq. 5 for p = 1..N−1, shape (m, N−1), with
@@ -229,9 +236,8 @@ def _theta(nodes: _Arrays, w: dict[str, np.ndarray]) -> np.ndarray:
     # Eq. 4: μ_D,n = B·t_acc / (T_D,n^iter(B)·t_out); no requests in decode -> 0.
     n_iter = w["n_iter"][:, None]
     scale = np.where(B > 0, B / n_iter, 0.0)
-    kv = w["kv"][:, None]
+    cap = nodes.caps(w["kv"])
     with np.errstate(divide="ignore", invalid="ignore"):
-        cap = np.where(kv > 0, nodes.kv[None, :] / kv, np.inf)
         at = np.where(np.isfinite(cap), cap, 0.0)
         # cap/T_D^iter(cap): what a node running its cap adds to Σ B/T_D^iter.
         full = np.where(np.isfinite(cap), at / nodes.t_d_iter(at), 0.0)
@@ -335,9 +341,7 @@ def _latency(ranked: _Arrays, w: dict[str, np.ndarray], sources: np.ndarray | No
     d = np.stack([ranked.d0, ranked.d1, ranked.d2])
     n = len(ranked.t_bar)
     t_bar = np.cumsum(ranked.t_bar)[:-1] / np.arange(1, n)
-    kv = w["kv"][:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cap = _over_decode(np.add, np.where(kv > 0, ranked.kv[None, :] / kv, np.inf))
+    cap = _over_decode(np.add, ranked.caps(w["kv"]))
     return predict_e2e(mu_p, d, w["requests"] / w["length"], w["n_iter"], w["t_acc"],
                        ranked.k_over_e, ranked.t_fwd, sources=sources,
                        batch=t_bar[None, :] / w["t_uc"][:, None],

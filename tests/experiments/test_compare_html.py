@@ -20,7 +20,6 @@ from evinfra.experiments.html import side_by_side
 from evinfra.experiments.report import ExperimentReport
 from evinfra.experiments.runs import RunOutcome
 
-# The machinery at a size a test affords (tests/experiments/test_experiments.py's MICRO).
 _IMG = re.compile(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)">')
 
 

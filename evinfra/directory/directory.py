@@ -85,8 +85,8 @@ class Directory:
 
     def apply_batch(self, node: NodeId, batch: KVEventBatch) -> None:
         """Apply a node's events in order, in one native call that also zeroes the counts of
-        the blocks the node lost (E.2 line 20), after the batch: counts are read by nothing in
-        between."""
+        the blocks the node lost (E.2 line 20): those it holds nowhere once the batch is
+        applied (a block cleared and stored again, as in a resync, keeps its counts)."""
         self.tree.apply_batch(node, batch.events, self._counts)
 
     # -- requests and branches (Algorithms E.1, E.2) ---------------------------------------

@@ -42,18 +42,31 @@ class ReferenceDirectory:
         for b in blocks:
             self.held[node, tier].add(b)
 
-    def remove(self, node: NodeId, blocks: Iterable[BlockHash], tier: Tier) -> None:
+    def remove(self, node: NodeId, blocks: Iterable[BlockHash], tier: Tier,
+               batch: set[BlockHash] | None = None) -> None:
+        """``batch``: the blocks that left the node earlier in the batch being applied (see
+        :meth:`batch_over`); None for an event applied alone."""
         for b in blocks:
             if b not in self.held[node, tier]:
                 continue  # an unknown removal changes nothing
             self.held[node, tier].discard(b)
             if not self.holds(node, b):
-                self._evicted(node, b)
+                if batch is None:
+                    self._evicted(node, b)
+                else:
+                    batch.add(b)
 
-    def clear(self, node: NodeId) -> None:
+    def clear(self, node: NodeId, batch: set[BlockHash] | None = None) -> None:
         for t in Tier:
             for b in list(self.held[node, t]):
-                self.remove(node, [b], t)
+                self.remove(node, [b], t, batch)
+
+    def batch_over(self, node: NodeId, left: set[BlockHash]) -> None:
+        """A batch of events is applied at once: a block that left the node during it is lost
+        only if the node holds it nowhere at its end (a resync clears and stores again)."""
+        for b in left:
+            if not self.holds(node, b):
+                self._evicted(node, b)
 
     def own_prefix(self, node: NodeId, path: Sequence[BlockHash],
                    tier: Tier | None = None) -> int:

@@ -13,8 +13,11 @@ parents, removals of blocks the node does not hold, duplicate hashes and untrack
 counted in :class:`TreeStats` and logged at powers of two, and the tree stays consistent.
 
 When a node stops holding a block in every tier, the block is *lost* on that node: its branch
-counts there are zeroed (Algorithm E.2 line 20). ``directory.Directory`` hands its batches the
-branch table, and the native batch passes the lost blocks on itself.
+counts there are zeroed (Algorithm E.2 line 20). A batch is one step of the engine, so a block
+is lost if the node holds it nowhere at the batch's end: an engine's resync (a clear, then its
+whole cache stored again, in one batch) loses only what it does not store again.
+``directory.Directory`` hands its batches the branch table, and the native batch passes the
+lost blocks on itself.
 """
 
 from __future__ import annotations

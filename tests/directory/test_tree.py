@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from evinfra.core.contracts import HintDelta
 from evinfra.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from evinfra.core.types import Phase, Tier
 from evinfra.directory import Directory
@@ -86,6 +87,28 @@ def test_all_blocks_cleared_and_node_loss(d: Directory) -> None:
     assert d.node_lost("a") == 2
     assert d.match(path).union == 0
     assert d.branches.nodes_of("x") == []
+    d.check_invariants()
+
+
+def test_an_engines_resync_keeps_the_counts_of_what_it_still_holds(d: Directory) -> None:
+    """A patched engine's resync is one batch: a clear, then its whole cache stored again
+    (``engine_patch.tree_ops.republish``). The blocks it stores again were never let go: their
+    counts, and the engine's marks, stay. CI once saw the resync of an engine the service
+    started beside zero a live branch's blocks (its engine then kept 100 of 150)."""
+    path = d.step("x", list(range(12))).path.hashes
+    d.place("x", "a")
+    d.apply("a", stored(path))
+    d.apply("a", stored([40, 41]))  # zero count
+    assert sorted(d.take_hints("a").positive) == sorted(path)
+    d.apply_batch("a", KVEventBatch(0.0, [AllBlocksCleared(), stored(path[:2])]))
+    assert d.branches.counted("x", 0) == set(path[:2])  # the third page is gone
+    assert d.take_hints("a") == HintDelta([], [path[2]])
+    assert d.match(path).own == [2, 0, 0] and 40 not in d.tree
+    # The control: the same clear alone zeroes every count on the node.
+    d.apply_batch("a", KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert d.branches.counted("x", 0) == set()
+    zeroed = d.take_hints("a")
+    assert not zeroed.positive and sorted(zeroed.zero) == sorted(path[:2])
     d.check_invariants()
 
 

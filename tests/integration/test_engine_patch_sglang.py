@@ -380,7 +380,8 @@ def test_the_directorys_counts_pushed_by_the_driver_decide_what_the_engine_evict
     serve``'s service; its directory counts their blocks, its SGLang driver pushes the
     crossings to the engines (``POST /evinfra/hints``), and a's host eviction then keeps
     them while it evicts zero-count blocks, older and newer ones (under LRU the branches'
-    blocks, older than the flood, would have gone first). No hint is posted by the test."""
+    blocks, older than the flood, would have gone first), through a resync of a's cache in
+    between. No hint is posted by the test."""
     from openai import OpenAI
 
     from evinfra.config import parse_config
@@ -406,6 +407,17 @@ def test_the_directorys_counts_pushed_by_the_driver_decide_what_the_engine_evict
             assert time.monotonic() < deadline, status(a)["eviction"]
             time.sleep(0.1)
         assert svc.call(lambda s: s.drivers["a"].stats["hints_sent"]) >= 1
+        # A resync now (as after any break in the driver's view of a) republishes a's cache
+        # after a clear, in one batch: the branches' blocks were never let go, so they keep
+        # their counts and the engine its marks.
+        clears = svc.call(lambda s: s.directory.tree.stats.clears)
+        code, _ = http("POST", a.url + "/evinfra/kv_resync", {})
+        assert code == 200
+        deadline = time.monotonic() + 30
+        while svc.call(lambda s: s.directory.tree.stats.clears) == clears:
+            assert time.monotonic() < deadline, "a's resync never reached the directory"
+            time.sleep(0.1)
+        assert positive <= set(svc.call(lambda s: s.directory.positive_blocks("a")))
         for p in flood:  # direct to the engines: no branch, zero count
             gen(a, b, p, 1)
         ev = status(a)["eviction"]

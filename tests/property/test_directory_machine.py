@@ -85,8 +85,8 @@ class DirectoryMachine(RuleBasedStateMachine):
     def _blocks(self, beta: str) -> list[int]:
         return self.real.branches.path(beta).hashes
 
-    def _ref_apply(self, n: str, event: KVEvent) -> None:
-        """One KV event on the reference, as the single-event rules apply them."""
+    def _ref_apply(self, n: str, event: KVEvent, batch: set[int] | None = None) -> None:
+        """One KV event on the reference (``batch``: see :meth:`ReferenceDirectory.remove`)."""
         if isinstance(event, BlockStored):
             tier = MEDIA[event.medium]
             if tier is not None:
@@ -94,9 +94,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         elif isinstance(event, BlockRemoved):
             tier = MEDIA[event.medium]
             if tier is not None:
-                self.ref.remove(n, event.block_hashes, tier)
+                self.ref.remove(n, event.block_hashes, tier, batch)
         else:
-            self.ref.clear(n)
+            self.ref.clear(n, batch)
 
     # -- context management ---------------------------------------------------------------
 
@@ -235,7 +235,9 @@ class DirectoryMachine(RuleBasedStateMachine):
         once (``apply_batch``), fusing a GPU store with its write-through to host memory into
         one tree pass; the reference applies the same events one by one. Near misses (another
         slice, parent, order, medium or block size) must not be fused, and removals and
-        clears between stores must see the stores before them."""
+        clears between stores must see the stores before them. A block is lost (its counts
+        zeroed) only if the node holds it nowhere at the batch's end: an engine's resync is
+        one batch, a clear and then the whole cache stored again."""
         n = self._node(data)
         events: list[KVEvent] = []
         for item in items:
@@ -283,6 +285,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         # read these): a store's parent is unknown if no node holds it when the store comes.
         want = dict.fromkeys(("blocks_stored", "block_size_mismatch", "unknown_parent",
                               "untracked_medium"), 0)
+        left: set[int] = set()
         for event in events:
             if not isinstance(event, AllBlocksCleared) and MEDIA[event.medium] is None:
                 want["untracked_medium"] += 1
@@ -291,7 +294,8 @@ class DirectoryMachine(RuleBasedStateMachine):
                 want["block_size_mismatch"] += event.block_size != PAGE
                 want["unknown_parent"] += event.parent_block_hash is not None and not any(
                     event.parent_block_hash in held for held in self.ref.held.values())
-            self._ref_apply(n, event)
+            self._ref_apply(n, event, left)
+        self.ref.batch_over(n, left)
         after = self.real.summary()["events"]
         assert {k: after[k] - before[k] for k in want} == want
 
@@ -530,6 +534,32 @@ def test_the_machine_catches_a_native_batch_that_keeps_lost_blocks_counted() -> 
             _LostBlocksMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
                                                         phases=[HPhase.generate], print_blob=False,
                                                         report_multiple_bugs=False))
+
+
+class _EventByEvent(Directory):
+    """A mutant that applies a batch one event at a time, as the directory did before
+    resyncs kept their counts: a block cleared and stored again in one batch loses its
+    counts (and its engine's marks) though the node never let it go."""
+
+    def apply_batch(self, node, batch):  # type: ignore[override]
+        for event in batch.events:
+            self.apply(node, event)
+
+
+class _EventByEventMachine(DirectoryMachine):
+    directory_cls = _EventByEvent
+
+
+def test_the_machine_catches_a_batch_that_loses_what_it_stores_again() -> None:
+    import pytest
+
+    from hypothesis import Phase as HPhase
+
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            _EventByEventMachine, settings=settings(max_examples=2000, stateful_step_count=60,
+                                                    phases=[HPhase.generate], print_blob=False,
+                                                    report_multiple_bugs=False))
 
 
 class _WideDirectory(Directory):

@@ -61,7 +61,9 @@ class Tree {
   bool contains(Hash h) const { return slot_.find(h) != slot_.end(); }
 
   // A node's batch of KV events, applied in order. Returns the blocks the node no longer
-  // holds in any tier (lost, in order: E.2 line 20 zeroes their counts) and the tolerated
+  // holds in any tier once the whole batch is applied (lost, in order: E.2 line 20 zeroes
+  // their counts; a block the batch drops and stores again, as an engine's resync clears and
+  // republishes its cache, is not lost and keeps its count) and the tolerated
   // problems whose count reached a power of two, as (what, occurrences, fields) for the log,
   // or None when there are none: bad events never raise, they are counted and the tree
   // stays consistent. Given the
@@ -128,6 +130,15 @@ class Tree {
         }
         counts_.blocks_removed += hashes_.size() - unknown_.size();
       }
+    }
+    if (!lost_.empty()) {
+      const size_t at = bits_at(node);
+      const uint64_t bit = bit_of(node);
+      lost_.erase(std::remove_if(lost_.begin(), lost_.end(), [&](Hash h) {
+                    const uint64_t* r = record(lookup(h));
+                    return ((r[at] | r[at + 1]) & bit) != 0;
+                  }),
+                  lost_.end());
     }
     if (table != nullptr) {
       if (!lost_.empty()) evicted(*table, node, lost_);

@@ -23,9 +23,9 @@ from evinfra.config import ServerConfig
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock, Timer
 from evinfra.core.contracts import DecodeOrder, PrefillOrder, Sampling
-from evinfra.core.events import (NodeDown, NodeKVEvents, NodeState, NodeUp, PrefillDone,
-                                 PrefillStarted, RequestDone, RequestFailed, TokenLogprobs,
-                                 TokensOut, Withdrawn)
+from evinfra.core.events import (NodeDown, NodeKVEvents, NodeKVViewLost, NodeState, NodeUp,
+                                 PrefillDone, PrefillStarted, RequestDone, RequestFailed,
+                                 TokenLogprobs, TokensOut, Withdrawn)
 from evinfra.core.types import BranchId, NodeId, RequestId
 from evinfra.directory import Directory
 from evinfra.errors import EngineError, EvinfraError, NoNodeError, RequestError
@@ -74,6 +74,7 @@ class Lifecycle:
     def subscribe(self) -> None:
         sub = self.bus.subscribe
         sub(NodeKVEvents, self._on_kv)
+        sub(NodeKVViewLost, lambda ev: self.directory.view_lost(ev.node))
         sub(NodeState, self._on_state)
         sub(PrefillStarted, self._on_prefill_started)
         sub(PrefillDone, self._on_prefill_done)

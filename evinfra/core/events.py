@@ -30,6 +30,7 @@ __all__ = [
     "KVEventDecoder",
     "NodeDown",
     "NodeKVEvents",
+    "NodeKVViewLost",
     "NodeState",
     "NodeUp",
     "PhaseSwitched",
@@ -209,6 +210,16 @@ class NodeKVEvents(msgspec.Struct, frozen=True, gc=False):
     node: str
     seq: int
     batch: KVEventBatch
+
+
+class NodeKVViewLost(msgspec.Struct, frozen=True, gc=False):
+    """``node``'s driver lost track of its KV event stream (a gap no replay fills): what the
+    directory lists on the node can no longer be trusted. Not an eviction: the engine most
+    likely still holds those blocks (its resync lists them again), so the branches' counts
+    there stay (Algorithm E.2 line 20 zeroes the counts of blocks a node *evicted*)."""
+
+    node: str
+    reason: str
 
 
 class NodeState(msgspec.Struct, frozen=True, gc=False):

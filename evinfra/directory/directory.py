@@ -78,6 +78,13 @@ class Directory:
         self.branches.release_node(idx)
         return len(lost)
 
+    def view_lost(self, node: NodeId) -> int:
+        """The driver's view of the node's KV broke (:class:`~evinfra.core.events.
+        NodeKVViewLost`): forget what the tree lists there, so that nothing is routed to KV
+        the node may have dropped meanwhile, and keep its counts and hints (no eviction was
+        seen). Returns the blocks forgotten."""
+        return len(self.tree.clear(self.index(node)))
+
     # -- KV events -------------------------------------------------------------------------
 
     def apply(self, node: NodeId, event: KVEvent) -> None:

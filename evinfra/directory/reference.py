@@ -61,6 +61,11 @@ class ReferenceDirectory:
             for b in list(self.held[node, t]):
                 self.remove(node, [b], t, batch)
 
+    def forget(self, node: NodeId) -> None:
+        """The view of the node was lost: it lists nothing, and no count changes."""
+        for t in Tier:
+            self.held[node, t].clear()
+
     def batch_over(self, node: NodeId, left: set[BlockHash]) -> None:
         """A batch of events is applied at once: a block that left the node during it is lost
         only if the node holds it nowhere at its end (a resync clears and stores again)."""

@@ -306,6 +306,12 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.ref.clear(n)
 
     @rule(data=st.data())
+    def view_lost(self, data: st.DataObject) -> None:
+        n = self._node(data)
+        self.real.view_lost(n)
+        self.ref.forget(n)
+
+    @rule(data=st.data())
     def node_lost(self, data: st.DataObject) -> None:
         n = self._node(data)
         self.real.node_lost(n)

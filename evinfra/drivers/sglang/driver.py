@@ -35,9 +35,9 @@ import structlog
 from evinfra.core.bus import Bus
 from evinfra.core.clock import Clock
 from evinfra.core.contracts import DecodeOrder, HintDelta, PrefillOrder
-from evinfra.core.events import (AllBlocksCleared, KVEventBatch, NodeDown, NodeKVEvents, NodeUp,
-                                 PhaseSwitched, PrefillDone, PrefillStarted, RequestFailed,
-                                 TokensOut, Withdrawn)
+from evinfra.core.events import (AllBlocksCleared, KVEventBatch, NodeDown, NodeKVEvents,
+                                 NodeKVViewLost, NodeUp, PhaseSwitched, PrefillDone,
+                                 PrefillStarted, RequestFailed, TokensOut, Withdrawn)
 from evinfra.core.types import NodeId, Phase, RequestId
 from evinfra.drivers.sglang.discovery import EngineInfo, parse_engine_info
 from evinfra.drivers.sglang.errors import Failure, engine_message, from_exception, from_http
@@ -571,14 +571,13 @@ class SGLangDriver:
         self.bus.publish(NodeKVEvents(self.node, seq, batch))
 
     def _on_kv_clear(self, reason: str) -> None:
-        """Our view of the node's stream broke (``kvstream``): clear the directory's view of
-        the node (it may list blocks the engine dropped meanwhile), and ask a patched engine
-        for all of it again."""
+        """Our view of the node's stream broke (``kvstream``): the directory forgets what it
+        lists on the node (it may list blocks the engine dropped meanwhile) and keeps the
+        branches' counts there, and a patched engine is asked for all of it again."""
         if self._down:
             return
         self.stats["kv_resyncs"] += 1
-        self.bus.publish(NodeKVEvents(self.node, -1, KVEventBatch(time.time(),
-                                                                  [AllBlocksCleared()])))
+        self.bus.publish(NodeKVViewLost(self.node, reason))
         self._ask_resync()
 
     # -- load, health ----------------------------------------------------------------------

@@ -608,6 +608,52 @@ async def test_a_patched_engine_republishes_its_cache_when_the_view_of_it_broke(
         kv.close()
 
 
+async def test_a_view_lost_mid_run_keeps_the_branches_counts_and_the_engines_marks():
+    """A gap in the stream that the replay buffer no longer covers: the directory forgets what
+    it lists on the node (never overcount) but no eviction was seen, so a live branch's
+    counts there stay, no zero hint goes out, and once the engine's resync (a clear and its
+    cache stored again, one batch) comes in the blocks are listed with their counts."""
+    kv = FakePublisher(keep=2)
+    hints: list[dict] = []
+
+    async def take(request, body):
+        hints.append(body)
+        return web.json_response({"ok": True})
+
+    engines = {"p": FakeEngine("prefill", PATCH_INFO, kv),
+               "d": FakeEngine("decode", PATCH_INFO)}
+    for e in engines.values():
+        e.hints = take
+    try:
+        async with service_over(engines) as service:
+            p, d = service.drivers["p"], service.directory
+            path = d.step("br", list(range(16))).path.hashes
+            d.place("br", "p")
+            service.engines.flush_hints()
+            stored = BlockStored(list(path), None, list(range(16)), 4, medium="GPU")
+
+            async def resync(request):
+                await kv.publish(AllBlocksCleared(), stored)
+                return web.json_response({"ok": True})
+
+            engines["p"].kv_resync = resync
+            await kv.publish(stored)
+            await until(lambda: d.match(path).own[d.index("p")] == 4)
+            for i in range(3):  # published while the driver was not listening
+                kv.sent.append(encode_frames(b"", len(kv.sent), KVEventBatch(0.0, [
+                    BlockStored([900 + i], None, [1, 2, 3, 4], 4, medium="GPU")])))
+            await kv.publish(BlockStored([910], None, [1, 2, 3, 4], 4, medium="GPU"))
+            await until(lambda: p.stats["kv_resync_received"] == 1)
+            assert p.stats["kv_resyncs"] == 1
+            assert d.match(path).own[d.index("p")] == 4
+            assert d.branches.counted("br", d.index("p")) == set(path)
+            await asyncio.sleep(3 * FAST.poll_interval_s)
+            assert not any(set(h["zero"]) & set(path) for h in hints)
+            assert any(set(path) <= set(h["positive"]) for h in hints)
+    finally:
+        kv.close()
+
+
 @pytest.mark.parametrize("cluster", [True], indirect=True, ids=["patched"])
 async def test_a_patched_engine_s_passes_are_the_planner_s_reports(cluster):
     """Each pass of the engine's own log becomes one report (and only those: the cumulative

@@ -414,6 +414,20 @@ def test_directory_agrees_with_reference() -> None:
     assert STEPS["n"] >= MIN_STEPS.get(profile, 0), f"only {STEPS['n']} steps ran"
 
 
+def _assert_caught(machine: type[DirectoryMachine]) -> None:
+    """The machine fails on a mutant (``machine`` runs it). No shrinking: the point is that
+    the machine finds a failure, not the smallest one."""
+    import pytest
+
+    from hypothesis import Phase as HPhase
+
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            machine, settings=settings(max_examples=2000, stateful_step_count=60,
+                                       phases=[HPhase.generate], print_blob=False,
+                                       report_multiple_bugs=False))
+
+
 class _IgnoresEvictions(Directory):
     """A mutant that never zeroes counts of lost blocks (Dynamo's selftest idea)."""
 
@@ -426,15 +440,7 @@ class _MutantMachine(DirectoryMachine):
 
 
 def test_the_machine_catches_a_directory_that_ignores_evictions() -> None:
-    import pytest
-
-    from hypothesis import Phase as HPhase
-
-    # No shrinking: the point is that the machine finds a failure, not the smallest one.
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            _MutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
-                                              phases=[HPhase.generate], print_blob=False))
+    _assert_caught(_MutantMachine)
 
 
 class _HostCopyStaysOnGPU(Directory):
@@ -458,15 +464,7 @@ class _BatchMutantMachine(DirectoryMachine):
 
 
 def test_the_machine_catches_a_batch_that_loses_the_host_copy() -> None:
-    import pytest
-
-    from hypothesis import Phase as HPhase
-
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            _BatchMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
-                                                   phases=[HPhase.generate], print_blob=False,
-                                                   report_multiple_bugs=False))
+    _assert_caught(_BatchMutantMachine)
 
 
 class _NativeTreeDroppingRemovals:
@@ -501,15 +499,7 @@ class _NativeMutantMachine(DirectoryMachine):
 
 
 def test_the_machine_catches_a_native_tree_that_drops_removals() -> None:
-    import pytest
-
-    from hypothesis import Phase as HPhase
-
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            _NativeMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
-                                                    phases=[HPhase.generate], print_blob=False,
-                                                    report_multiple_bugs=False))
+    _assert_caught(_NativeMutantMachine)
 
 
 class _NativeTreeKeepingLostBlocks(_NativeTreeDroppingRemovals):
@@ -531,15 +521,7 @@ class _LostBlocksMutantMachine(DirectoryMachine):
 
 
 def test_the_machine_catches_a_native_batch_that_keeps_lost_blocks_counted() -> None:
-    import pytest
-
-    from hypothesis import Phase as HPhase
-
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            _LostBlocksMutantMachine, settings=settings(max_examples=2000, stateful_step_count=60,
-                                                        phases=[HPhase.generate], print_blob=False,
-                                                        report_multiple_bugs=False))
+    _assert_caught(_LostBlocksMutantMachine)
 
 
 class _EventByEvent(Directory):
@@ -557,15 +539,23 @@ class _EventByEventMachine(DirectoryMachine):
 
 
 def test_the_machine_catches_a_batch_that_loses_what_it_stores_again() -> None:
-    import pytest
+    _assert_caught(_EventByEventMachine)
 
-    from hypothesis import Phase as HPhase
 
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            _EventByEventMachine, settings=settings(max_examples=2000, stateful_step_count=60,
-                                                    phases=[HPhase.generate], print_blob=False,
-                                                    report_multiple_bugs=False))
+class _ViewLostZeroes(Directory):
+    """A mutant that takes a lost view of a node's KV for an eviction of everything there
+    (as the SGLang driver's ``AllBlocksCleared`` did): the branches' counts go with it."""
+
+    def view_lost(self, node):  # type: ignore[override]
+        self.apply(node, AllBlocksCleared())
+
+
+class _ViewLostMachine(DirectoryMachine):
+    directory_cls = _ViewLostZeroes
+
+
+def test_the_machine_catches_a_lost_view_that_zeroes_counts() -> None:
+    _assert_caught(_ViewLostMachine)
 
 
 class _WideDirectory(Directory):

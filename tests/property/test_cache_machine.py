@@ -91,13 +91,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- operations -------------------------------------------------------------------------
 
-    @rule(i=st.integers(0, MAX_PATHS), drop=st.integers(0, 12), dt=st.integers(0, 2))
-    def insert(self, i: int, drop: int, dt: int) -> None:
-        """``path[:n]`` for an ``n`` short of the whole path by ``drop`` (a prefill's chunk)."""
+    def _store(self, op: str, i: int, drop: int, dt: int) -> None:
+        """``op`` (``insert`` or ``store_host``) of ``path[:n]``, ``n`` short of the whole path
+        by ``drop``."""
         STEPS["n"] += 1
         p = self._path(i)
         tokens = np.arange(len(p) * PAGE, dtype=np.uint32)
-        self._both("insert", p, max(0, len(p) - drop), tokens, self._tick(dt))
+        self._both(op, p, max(0, len(p) - drop), tokens, self._tick(dt))
+
+    @rule(i=st.integers(0, MAX_PATHS), drop=st.integers(0, 12), dt=st.integers(0, 2))
+    def insert(self, i: int, drop: int, dt: int) -> None:
+        """``path[:n]`` for an ``n`` short of the whole path by ``drop`` (a prefill's chunk)."""
+        self._store("insert", i, drop, dt)
 
     @rule(i=st.integers(0, MAX_PATHS), dt=st.integers(0, 2))
     def insert_whole(self, i: int, dt: int) -> None:
@@ -107,10 +112,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, MAX_PATHS), drop=st.integers(0, 12), dt=st.integers(0, 2))
     def store_host(self, i: int, drop: int, dt: int) -> None:
         """``path[:n]`` into host memory only (a peer fetch that found no L1 room)."""
-        STEPS["n"] += 1
-        p = self._path(i)
-        tokens = np.arange(len(p) * PAGE, dtype=np.uint32)
-        self._both("store_host", p, max(0, len(p) - drop), tokens, self._tick(dt))
+        self._store("store_host", i, drop, dt)
 
     @precondition(lambda self: len(self.pins) < 3)  # more would pin most of a small cache
     @rule(i=st.integers(0, MAX_PATHS), cut=st.floats(0, 1), dt=st.integers(0, 2))

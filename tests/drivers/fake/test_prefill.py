@@ -106,6 +106,20 @@ def _seed_peer(h: Harness, n: int, seed: int = 42, node: str = "p1") -> list[int
     return t
 
 
+def _fetch_behind_a_long_prefill(h: Harness, long: int, prompt: int
+                                 ) -> tuple[float, list[int], int]:
+    """p1 holds a 20,000-token prefix; p0 gets a ``long`` prefill, then r: ``prompt`` tokens
+    on that prefix, with a fetch plan for it from p1. Returns the time before both were
+    submitted, r's tokens and the fetched blocks."""
+    base = _seed_peer(h, 20_000)
+    t0 = h.clock.now()
+    h.submit("long", tokens(long, seed=3))
+    t = tokens(prompt, base=base)
+    k = 20_000 // PAGE
+    h.submit("r", t, fetch=[FetchRun("p1", 0, path(t)[:k])])
+    return t0, t, k
+
+
 def fetch_time(blocks: int) -> float:
     return CFG.fetch_latency + blocks * PAGE * CFG.fetch_s_per_token
 
@@ -130,12 +144,7 @@ def test_fetch_is_exposed_when_the_queue_is_empty() -> None:
 
 def test_fetch_is_hidden_while_the_request_waits() -> None:
     h = Harness(THREE)
-    base = _seed_peer(h, 20_000)
-    t0 = h.clock.now()
-    h.submit("long", tokens(60_000, seed=3))
-    t = tokens(24_000, base=base)
-    k = 20_000 // PAGE
-    h.submit("r", t, fetch=[FetchRun("p1", 0, path(t)[:k])])
+    t0, t, k = _fetch_behind_a_long_prefill(h, 60_000, 24_000)
     h.submit("later", tokens(3_000, seed=4))
     h.run(t0 + 10)
     fetch_end = t0 + fetch_time(k)
@@ -249,12 +258,7 @@ def test_a_fetch_without_gpu_room_lands_in_host_memory() -> None:
     loaded back when r is admitted, so r reuses all of it and each block is restored once.
     Before, the blocks without L1 room were dropped and recomputed."""
     h = Harness(THREE, l1_tokens=60_000, l2_tokens=400_000)
-    base = _seed_peer(h, 20_000)
-    t0 = h.clock.now()
-    h.submit("long", tokens(55_000, seed=3))
-    t = tokens(21_000, base=base)
-    k = 20_000 // PAGE
-    h.submit("r", t, fetch=[FetchRun("p1", 0, path(t)[:k])])
+    t0, t, k = _fetch_behind_a_long_prefill(h, 55_000, 21_000)
     h.run(t0 + 0.5)
     c = h.engines["p0"].cache
     assert not h.of(PrefillStarted, request="r")  # landed while long still computes

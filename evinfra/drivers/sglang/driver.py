@@ -570,14 +570,19 @@ class SGLangDriver:
                 self._engine_clears += 1
         self.bus.publish(NodeKVEvents(self.node, seq, batch))
 
-    def _on_kv_clear(self, reason: str) -> None:
+    def _on_kv_clear(self, reason: str, emptied: bool) -> None:
         """Our view of the node's stream broke (``kvstream``): the directory forgets what it
         lists on the node (it may list blocks the engine dropped meanwhile) and keeps the
-        branches' counts there, and a patched engine is asked for all of it again."""
+        branches' counts there, and a patched engine is asked for all of it again. An engine
+        that started over (``emptied``) lost its blocks: that is an eviction of all of them."""
         if self._down:
             return
         self.stats["kv_resyncs"] += 1
-        self.bus.publish(NodeKVViewLost(self.node, reason))
+        if emptied:
+            self.bus.publish(NodeKVEvents(self.node, -1, KVEventBatch(time.time(),
+                                                                      [AllBlocksCleared()])))
+        else:
+            self.bus.publish(NodeKVViewLost(self.node, reason))
         self._ask_resync()
 
     # -- load, health ----------------------------------------------------------------------

@@ -6,7 +6,8 @@ socket, answers from the replay ROUTER, timeouts) and carries out the actions it
 * :class:`Deliver` a batch to the directory (in sequence order, each sequence once);
 * :class:`Replay` — ask the engine's ROUTER for every buffered batch from ``start`` on;
 * :class:`Clear` — the view of this node can no longer be trusted: publish
-  ``NodeKVViewLost`` for it, then go on from what follows. The directory then *undercounts*
+  ``NodeKVViewLost`` for it (``AllBlocksCleared`` when the engine itself started over, its
+  cache empty), then go on from what follows. The directory then *undercounts*
   the node (blocks it still holds but we never heard of are missing), which only costs cache
   hits; it never *overcounts* (claims blocks the node dropped), which would route requests to
   KV that is not there. The driver then asks an engine running the evinfra patch for a KV
@@ -51,6 +52,9 @@ class Replay(msgspec.Struct, frozen=True, gc=False):
 
 class Clear(msgspec.Struct, frozen=True, gc=False):
     reason: str
+    emptied: bool = False
+    """The engine itself started over (a new process, its cache empty): its blocks are gone,
+    not just our view of them."""
 
 
 Action = Union[Deliver, Replay, Clear]
@@ -114,9 +118,9 @@ class KVStream:
             # SUB sockets never deliver twice, so the publisher started over: a new engine
             # process, whose cache is empty.
             self.stats.restarts += 1
-            self._next = 0
             out: list[Action] = [self._clear(f"publisher restarted (sequence {seq} after "
-                                             f"{self._next})")]
+                                             f"{self._next})", emptied=True)]
+            self._next = 0
             if self.replay_available:
                 self._held[seq] = batch
                 return out + self._start_replay(0)
@@ -180,9 +184,9 @@ class KVStream:
         self.stats.delivered += 1
         return [Deliver(seq, batch)]
 
-    def _clear(self, reason: str) -> Clear:
+    def _clear(self, reason: str, emptied: bool = False) -> Clear:
         self.stats.clears += 1
-        return Clear(reason)
+        return Clear(reason, emptied)
 
     def _drain_held(self) -> list[Action]:
         out: list[Action] = []

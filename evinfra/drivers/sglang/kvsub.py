@@ -27,11 +27,11 @@ log = structlog.get_logger(__name__)
 
 
 class KVSubscriber:
-    """Subscribes to ``endpoint``; calls ``deliver(seq, batch)`` in order and ``clear(reason)``
-    when the node's view must be rebuilt (see ``kvstream``)."""
+    """Subscribes to ``endpoint``; calls ``deliver(seq, batch)`` in order and ``clear(reason,
+    emptied)`` when the node's view must be rebuilt (see ``kvstream``)."""
 
     def __init__(self, node: str, endpoint: str, replay_endpoint: str | None, topic: str,
-                 deliver: Callable[[int, KVEventBatch], None], clear: Callable[[str], None],
+                 deliver: Callable[[int, KVEventBatch], None], clear: Callable[[str, bool], None],
                  replay_timeout_s: float = 2.0) -> None:
         self.node = node
         self.endpoint = endpoint
@@ -98,7 +98,7 @@ class KVSubscriber:
                 self._deliver(a.seq, a.batch)
             elif type(a) is Clear:
                 log.warning("kv_view_resync", node=self.node, reason=a.reason)
-                self._clear(a.reason)
+                self._clear(a.reason, a.emptied)
             elif type(a) is Replay:
                 self._spawn(self._replay(a.start))
 

@@ -612,7 +612,8 @@ async def test_a_view_lost_mid_run_keeps_the_branches_counts_and_the_engines_mar
     """A gap in the stream that the replay buffer no longer covers: the directory forgets what
     it lists on the node (never overcount) but no eviction was seen, so a live branch's
     counts there stay, no zero hint goes out, and once the engine's resync (a clear and its
-    cache stored again, one batch) comes in the blocks are listed with their counts."""
+    cache stored again, one batch) comes in the blocks are listed with their counts. An
+    engine that started over is another matter: its blocks are gone."""
     kv = FakePublisher(keep=2)
     hints: list[dict] = []
 
@@ -650,6 +651,13 @@ async def test_a_view_lost_mid_run_keeps_the_branches_counts_and_the_engines_mar
             await asyncio.sleep(3 * FAST.poll_interval_s)
             assert not any(set(h["zero"]) & set(path) for h in hints)
             assert any(set(path) <= set(h["positive"]) for h in hints)
+            # The control: an engine that started over (its sequence back at 0) did lose its
+            # blocks, and their counts go with them.
+            kv.sent.clear()
+            await kv.publish(BlockStored([920], None, [1, 2, 3, 4], 4, medium="GPU"))
+            await until(lambda: not d.branches.counted("br", d.index("p")))
+            assert p._kv.stream.stats.restarts == 1 and p.stats["kv_resyncs"] == 2
+            await until(lambda: any(set(path) <= set(h["zero"]) for h in hints))
     finally:
         kv.close()
 

@@ -7,10 +7,10 @@ socket, answers from the replay ROUTER, timeouts) and carries out the actions it
 * :class:`Replay` — ask the engine's ROUTER for every buffered batch from ``start`` on;
 * :class:`Clear` — the view of this node can no longer be trusted: publish
   ``NodeKVViewLost`` for it (``AllBlocksCleared`` when the engine itself started over, its
-  cache empty), then go on from what follows. The directory then *undercounts*
-  the node (blocks it still holds but we never heard of are missing), which only costs cache
-  hits; it never *overcounts* (claims blocks the node dropped), which would route requests to
-  KV that is not there. The driver then asks an engine running the evinfra patch for a KV
+  cache empty), then go on from what follows. The directory then *undercounts* the node
+  (blocks it still holds but we never heard of are missing), which only costs cache hits; it
+  never *overcounts* (claims blocks the node dropped), which would route requests to KV that
+  is not there. The driver then asks an engine running the evinfra patch for a KV
   resync: the engine republishes its whole cache in this same stream, and from that batch on
   the view is exact again.
 

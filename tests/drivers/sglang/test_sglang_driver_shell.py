@@ -638,6 +638,10 @@ async def test_a_view_lost_mid_run_keeps_the_branches_counts_and_the_engines_mar
                 return web.json_response({"ok": True})
 
             engines["p"].kv_resync = resync
+            # Its subscription is up once its first replay is answered (the SUB socket
+            # connects before the replay is asked): from then on no live frame is missed.
+            await until(lambda: p._kv is not None and p._kv.stream.next_seq is not None
+                        and not p._kv.stream.replaying)
             await kv.publish(stored)
             await until(lambda: d.match(path).own[d.index("p")] == 4)
             for i in range(3):  # published while the driver was not listening

@@ -73,6 +73,9 @@ class Tree {
     check_node(node);
     BranchTable* table = counts.is_none() ? nullptr : &branch_table(counts);
     lost_.clear();
+    // Only a store after a loss can give a lost block back (a resync): without one the lost
+    // list stands as built, with no probe per block on the eviction path.
+    bool stored_after_loss = false;
     nb::object problems = nb::none();  // a list once there is one to report
     auto tolerate = [&](uint64_t Counts::*what, const char* name, auto&& fields) {
       const uint64_t n = ++(counts_.*what);
@@ -104,6 +107,7 @@ class Tree {
       }
       read_hashes(attr(e, names_.block_hashes), hashes_);
       if (stored) {
+        stored_after_loss |= !lost_.empty();
         nb::object size = attr(e, names_.block_size), parent = attr(e, names_.parent);
         if (nb::cast<size_t>(size) != page_size_) {
           tolerate(&Counts::block_size_mismatch, "block_size_mismatch", [&] {
@@ -131,12 +135,10 @@ class Tree {
         counts_.blocks_removed += hashes_.size() - unknown_.size();
       }
     }
-    if (!lost_.empty()) {
-      const size_t at = bits_at(node);
-      const uint64_t bit = bit_of(node);
+    if (stored_after_loss) {
       lost_.erase(std::remove_if(lost_.begin(), lost_.end(), [&](Hash h) {
-                    const uint64_t* r = record(lookup(h));
-                    return ((r[at] | r[at + 1]) & bit) != 0;
+                    const auto [l1, l2] = tiers(h, node);
+                    return l1 || l2;
                   }),
                   lost_.end());
     }
